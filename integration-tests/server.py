@@ -1,0 +1,85 @@
+"""Starts the real system (`pagemill launch`) in a subprocess for tests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen
+    port: int
+    log: deque = field(default_factory=lambda: deque(maxlen=400))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def info(self) -> dict:
+        return httpx.get(f"{self.url}/info", timeout=10).json()
+
+    def metric(self, name: str) -> float:
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        for line in text.splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        raise KeyError(name)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        return self.proc.wait(timeout)
+
+    def logs(self) -> str:
+        return "\n".join(self.log)
+
+
+def launch(model: str, *extra: str, timeout: float = 300, env: dict | None = None) -> Server:
+    port = free_port()
+    argv = [sys.executable, "-m", "pagemill", "launch", "--model", model, "--port", str(port),
+            "--master-port", str(free_port()), *extra]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, **(env or {})))
+    server = Server(proc, port)
+
+    def pump():
+        for raw in proc.stdout:
+            server.log.append(raw.decode(errors="replace").rstrip())
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"launcher exited with {proc.returncode}:\n{server.logs()}")
+        try:
+            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.stop(signal.SIGKILL)
+    raise TimeoutError(f"server not ready after {timeout}s:\n{server.logs()}")
+
+
+def sse_events(response: httpx.Response):
+    """Parses `data:` lines of a TGI SSE stream into dicts."""
+    for line in response.iter_lines():
+        if line.startswith("data:"):
+            yield json.loads(line[5:].strip())

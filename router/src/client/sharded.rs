@@ -1,0 +1,111 @@
+//! Fan-out to every shard of a tensor-parallel group. Every shard gets every
+//! call; rank 0's answer is the one the router uses.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use futures::future::join_all;
+
+use super::ShardClient;
+use crate::proto::pb;
+
+#[derive(Debug, Clone)]
+pub struct ShardedClient {
+    clients: Vec<ShardClient>,
+}
+
+macro_rules! fan_out {
+    ($self:ident, $method:ident $(, $req:expr)?) => {{
+        let futures = $self.clients.iter_mut().map(|c| {
+            $(let req = $req.clone();)?
+            async move { c.$method($(fan_out!(@arg req $req))?).await }
+        });
+        let mut results = join_all(futures).await.into_iter();
+        // Any shard failing fails the call: the group is only as good as its weakest rank.
+        let first = results.next().expect("at least one shard");
+        let mut rest_err = None;
+        for r in results {
+            if let Err(e) = r {
+                rest_err.get_or_insert(e);
+            }
+        }
+        match (first, rest_err) {
+            (Ok(_), Some(e)) => Err(e),
+            (r, _) => r,
+        }
+    }};
+    (@arg $name:ident $req:expr) => { $name };
+}
+
+impl ShardedClient {
+    /// Connects to every socket, retrying until `timeout` (shards may still be loading).
+    pub async fn connect(paths: &[PathBuf], timeout: Duration) -> Result<Self, String> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        let mut clients = Vec::with_capacity(paths.len());
+        for path in paths {
+            loop {
+                match ShardClient::connect(path).await {
+                    Ok(mut c) => {
+                        if c.health().await.is_ok() {
+                            clients.push(c);
+                            break;
+                        }
+                    }
+                    Err(e) if tokio::time::Instant::now() >= deadline => {
+                        return Err(format!("cannot connect to shard at {}: {e}", path.display()))
+                    }
+                    Err(_) => {}
+                }
+                if tokio::time::Instant::now() >= deadline {
+                    return Err(format!("shard at {} did not become healthy", path.display()));
+                }
+                tokio::time::sleep(Duration::from_millis(200)).await;
+            }
+        }
+        Ok(Self { clients })
+    }
+
+    pub fn num_shards(&self) -> usize {
+        self.clients.len()
+    }
+
+    pub async fn info(&mut self) -> Result<pb::InfoResponse, tonic::Status> {
+        fan_out!(self, info)
+    }
+
+    pub async fn health(&mut self) -> Result<pb::HealthResponse, tonic::Status> {
+        fan_out!(self, health)
+    }
+
+    pub async fn warmup(&mut self, req: pb::WarmupRequest) -> Result<pb::WarmupResponse, tonic::Status> {
+        let futures = self.clients.iter_mut().map(|c| {
+            let req = req.clone();
+            async move { c.warmup(req).await }
+        });
+        let results: Result<Vec<_>, _> = join_all(futures).await.into_iter().collect();
+        let results = results?;
+        // Each rank holds a slice of every block; the group can only use the smallest pool.
+        let mut best = results[0].clone();
+        best.num_blocks = results.iter().map(|r| r.num_blocks).min().unwrap_or(0);
+        Ok(best)
+    }
+
+    pub async fn prefill(&mut self, req: pb::PrefillRequest) -> Result<pb::PrefillResponse, tonic::Status> {
+        fan_out!(self, prefill, req)
+    }
+
+    pub async fn decode(&mut self, req: pb::DecodeRequest) -> Result<pb::DecodeResponse, tonic::Status> {
+        fan_out!(self, decode, req)
+    }
+
+    pub async fn filter_batch(
+        &mut self,
+        req: pb::FilterBatchRequest,
+    ) -> Result<pb::FilterBatchResponse, tonic::Status> {
+        fan_out!(self, filter_batch, req)
+    }
+
+    pub async fn clear_cache(&mut self, batch_id: Option<u64>) -> Result<pb::ClearCacheResponse, tonic::Status> {
+        fan_out!(self, clear_cache, pb::ClearCacheRequest { batch_id })
+    }
+}

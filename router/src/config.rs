@@ -1,0 +1,77 @@
+//! Router configuration, built once by the launcher and passed explicitly.
+
+use std::path::PathBuf;
+
+#[derive(Debug, Clone)]
+pub struct RouterConfig {
+    pub hostname: String,
+    pub port: u16,
+    /// One unix socket per shard of the tensor-parallel group, rank order.
+    pub shard_uds_paths: Vec<PathBuf>,
+    /// Directory holding tokenizer.json (the model directory).
+    pub tokenizer_dir: PathBuf,
+    pub model_id: String,
+    pub max_input_tokens: u32,
+    pub max_total_tokens: u32,
+    pub max_batch_prefill_tokens: u32,
+    /// Upper bound on tokens (prompt + max_new_tokens) of all running
+    /// sequences; `None` lets the KV pool size decide.
+    pub max_batch_total_tokens: Option<u32>,
+    pub max_batch_size: u32,
+    pub max_concurrent_requests: u32,
+    pub max_stop_sequences: u32,
+    pub max_top_n_tokens: u32,
+    pub default_max_new_tokens: u32,
+    pub payload_limit: usize,
+    pub validation_workers: usize,
+    /// How long SIGTERM waits for in-flight requests before closing.
+    pub shutdown_timeout_s: u64,
+}
+
+impl Default for RouterConfig {
+    fn default() -> Self {
+        Self {
+            hostname: "127.0.0.1".into(),
+            port: 3000,
+            shard_uds_paths: vec![],
+            tokenizer_dir: PathBuf::new(),
+            model_id: String::new(),
+            max_input_tokens: 1024,
+            max_total_tokens: 2048,
+            max_batch_prefill_tokens: 4096,
+            max_batch_total_tokens: None,
+            max_batch_size: 256,
+            max_concurrent_requests: 128,
+            max_stop_sequences: 16,
+            max_top_n_tokens: 5,
+            default_max_new_tokens: 100,
+            payload_limit: 2_000_000,
+            validation_workers: 2,
+            shutdown_timeout_s: 30,
+        }
+    }
+}
+
+impl RouterConfig {
+    pub fn check(&self) -> Result<(), String> {
+        if self.shard_uds_paths.is_empty() {
+            return Err("at least one shard socket is required".into());
+        }
+        if self.max_input_tokens >= self.max_total_tokens {
+            return Err(format!(
+                "max_input_tokens ({}) must be < max_total_tokens ({})",
+                self.max_input_tokens, self.max_total_tokens
+            ));
+        }
+        if self.max_batch_prefill_tokens < self.max_input_tokens {
+            return Err(format!(
+                "max_batch_prefill_tokens ({}) must be >= max_input_tokens ({})",
+                self.max_batch_prefill_tokens, self.max_input_tokens
+            ));
+        }
+        if self.max_batch_size == 0 || self.max_concurrent_requests == 0 {
+            return Err("max_batch_size and max_concurrent_requests must be positive".into());
+        }
+        Ok(())
+    }
+}

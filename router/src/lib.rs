@@ -1,0 +1,177 @@
+//! pagemill router: HTTP/SSE API, validation, continuous batching, paged KV
+//! accounting and the gRPC client to the model shards.
+
+pub mod client;
+pub mod config;
+pub mod detokenize;
+pub mod error;
+pub mod http;
+pub mod infer;
+pub mod kv;
+pub mod proto;
+pub mod queue;
+pub mod scheduler;
+pub mod state;
+pub mod stop;
+pub mod validation;
+#[cfg(feature = "python")]
+mod python;
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokenizers::Tokenizer;
+use tokio::sync::mpsc;
+
+use crate::client::ShardedClient;
+use crate::config::RouterConfig;
+use crate::http::{AppState, ServerInfo};
+use crate::infer::Infer;
+use crate::kv::BlockAllocator;
+use crate::proto::pb;
+use crate::scheduler::admission::Budget;
+use crate::scheduler::Scheduler;
+use crate::state::RouterState;
+use crate::validation::{Limits, Validation};
+
+/// Connects to the shards, warms them up, and serves until SIGINT/SIGTERM.
+pub async fn run(config: RouterConfig) -> Result<(), String> {
+    config.check()?;
+    let tokenizer_path = config.tokenizer_dir.join("tokenizer.json");
+    let tokenizer = Tokenizer::from_file(&tokenizer_path)
+        .map_err(|e| format!("cannot load {}: {e}", tokenizer_path.display()))?;
+    let tokenizer = Arc::new(tokenizer);
+
+    let mut client = ShardedClient::connect(&config.shard_uds_paths, Duration::from_secs(600)).await?;
+    let shard_info = client.info().await.map_err(|e| format!("shard Info failed: {}", e.message()))?;
+    if shard_info.max_position_embeddings > 0 && config.max_total_tokens > shard_info.max_position_embeddings {
+        return Err(format!(
+            "max_total_tokens ({}) exceeds the model's max_position_embeddings ({})",
+            config.max_total_tokens, shard_info.max_position_embeddings
+        ));
+    }
+    tracing::info!("warming up {} shard(s)", client.num_shards());
+    let warmup = client
+        .warmup(pb::WarmupRequest {
+            max_batch_prefill_tokens: config.max_batch_prefill_tokens,
+            max_input_tokens: config.max_input_tokens,
+            max_total_tokens: config.max_total_tokens,
+            max_batch_size: config.max_batch_size,
+        })
+        .await
+        .map_err(|e| format!("shard Warmup failed: {}", e.message()))?;
+    let allocator = BlockAllocator::new(warmup.num_blocks, warmup.block_size);
+    let pool_tokens = allocator.capacity() as u64 * warmup.block_size as u64;
+    if pool_tokens < config.max_total_tokens as u64 {
+        return Err(format!(
+            "the KV pool holds {pool_tokens} tokens, fewer than max_total_tokens ({}): give the shard more KV memory or lower max_total_tokens",
+            config.max_total_tokens
+        ));
+    }
+    let max_batch_total_tokens = config.max_batch_total_tokens.map_or(pool_tokens, |t| (t as u64).min(pool_tokens));
+    tracing::info!(
+        "KV pool: {} blocks of {} tokens ({} tokens), max_batch_total_tokens {}",
+        allocator.capacity(),
+        warmup.block_size,
+        pool_tokens,
+        max_batch_total_tokens
+    );
+
+    let state = Arc::new(RouterState::default());
+    state.healthy.store(true, Ordering::Relaxed);
+    RouterState::set(&state.kv_blocks_total, allocator.capacity() as u64);
+    RouterState::set(&state.kv_blocks_free, allocator.free_blocks() as u64);
+    RouterState::set(&state.kv_block_size, warmup.block_size as u64);
+
+    let budget = Budget {
+        max_batch_prefill_tokens: config.max_batch_prefill_tokens,
+        max_batch_total_tokens,
+        max_batch_size: config.max_batch_size,
+        block_size: warmup.block_size,
+        capacity_blocks: allocator.capacity(),
+    };
+    let (queue_tx, queue_rx) = mpsc::unbounded_channel();
+    let scheduler = Scheduler::new(
+        client.clone(),
+        allocator,
+        tokenizer.clone(),
+        budget,
+        queue_rx,
+        state.clone(),
+    );
+    let scheduler_task = tokio::spawn(scheduler.run());
+
+    let limits = Limits {
+        max_input_tokens: config.max_input_tokens,
+        max_total_tokens: config.max_total_tokens,
+        max_stop_sequences: config.max_stop_sequences,
+        max_top_n_tokens: config.max_top_n_tokens,
+        default_max_new_tokens: config.default_max_new_tokens,
+    };
+    let infer = Infer::new(
+        Validation::new(tokenizer, limits),
+        queue_tx,
+        config.max_concurrent_requests,
+        state.clone(),
+    );
+    let info = ServerInfo {
+        model_id: if config.model_id.is_empty() { shard_info.model_id.clone() } else { config.model_id.clone() },
+        model_dtype: shard_info.dtype.clone(),
+        model_device_type: shard_info.device_type.clone(),
+        attention_backend: shard_info.attention_backend.clone(),
+        num_shards: client.num_shards() as u32,
+        max_input_tokens: config.max_input_tokens,
+        max_total_tokens: config.max_total_tokens,
+        max_batch_prefill_tokens: config.max_batch_prefill_tokens,
+        max_batch_total_tokens,
+        max_batch_size: config.max_batch_size,
+        max_concurrent_requests: config.max_concurrent_requests,
+        max_stop_sequences: config.max_stop_sequences,
+        max_top_n_tokens: config.max_top_n_tokens,
+        block_size: warmup.block_size,
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        router: "pagemill".to_string(),
+    };
+    let app = AppState {
+        infer,
+        info: Arc::new(info),
+        state,
+        client,
+    };
+    let routes = http::router(app, config.payload_limit);
+    let addr = format!("{}:{}", config.hostname, config.port);
+    let listener = tokio::net::TcpListener::bind(&addr)
+        .await
+        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    tracing::info!("router listening on http://{addr}");
+    let timeout = Duration::from_secs(config.shutdown_timeout_s);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let server = axum::serve(listener, routes).with_graceful_shutdown(async move {
+        shutdown_signal().await;
+        tracing::info!("shutting down: draining in-flight requests (up to {}s)", timeout.as_secs());
+        let _ = stop_tx.send(());
+    });
+    let server = tokio::spawn(async move { server.await });
+    // Once a signal arrives, in-flight requests get `timeout` to finish.
+    let drained = async {
+        let _ = stop_rx.await;
+        tokio::time::sleep(timeout).await;
+    };
+    tokio::select! {
+        r = server => r.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?,
+        _ = drained => tracing::warn!("shutdown timeout reached with requests still in flight"),
+    }
+    scheduler_task.abort();
+    Ok(())
+}
+
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+        .expect("SIGTERM handler");
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term.recv() => {},
+    }
+}

@@ -1,0 +1,35 @@
+//! Counters shared between the scheduler (writer) and HTTP handlers (readers).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+#[derive(Debug, Default)]
+pub struct RouterState {
+    pub healthy: AtomicBool,
+    pub queue_size: AtomicU64,
+    pub batch_size: AtomicU64,
+    pub kv_blocks_total: AtomicU64,
+    pub kv_blocks_free: AtomicU64,
+    pub kv_block_size: AtomicU64,
+    pub requests_total: AtomicU64,
+    pub requests_failed: AtomicU64,
+    pub prefill_tokens_total: AtomicU64,
+    pub generated_tokens_total: AtomicU64,
+    pub decode_steps_total: AtomicU64,
+    /// Sum over decode steps of the shard's forward time and of the whole step, in ns.
+    pub decode_forward_ns_total: AtomicU64,
+    pub decode_step_ns_total: AtomicU64,
+}
+
+impl RouterState {
+    pub fn get(v: &AtomicU64) -> u64 {
+        v.load(Ordering::Relaxed)
+    }
+
+    pub fn set(v: &AtomicU64, x: u64) {
+        v.store(x, Ordering::Relaxed)
+    }
+
+    pub fn add(v: &AtomicU64, x: u64) {
+        v.fetch_add(x, Ordering::Relaxed);
+    }
+}

@@ -1,0 +1,201 @@
+//! Turns an HTTP request into a `ValidRequest`: parameters checked, prompt
+//! tokenized and measured against the token limits. Every rejection is a 422.
+
+use std::sync::Arc;
+
+use tokenizers::Tokenizer;
+
+use crate::error::RouterError;
+use crate::http::types::GenerateParameters;
+use crate::proto::pb;
+
+#[derive(Debug, Clone)]
+pub struct Limits {
+    pub max_input_tokens: u32,
+    pub max_total_tokens: u32,
+    pub max_stop_sequences: u32,
+    pub max_top_n_tokens: u32,
+    pub default_max_new_tokens: u32,
+}
+
+#[derive(Debug, Clone)]
+pub struct ValidRequest {
+    pub inputs: String,
+    pub input_ids: Vec<u32>,
+    pub parameters: pb::NextTokenChooserParameters,
+    pub max_new_tokens: u32,
+    pub ignore_eos: bool,
+    pub stop_sequences: Vec<String>,
+    pub top_n_tokens: u32,
+    pub decoder_input_details: bool,
+    pub seed: Option<u64>,
+}
+
+#[derive(Clone)]
+pub struct Validation {
+    tokenizer: Arc<Tokenizer>,
+    limits: Limits,
+}
+
+fn invalid(msg: impl Into<String>) -> RouterError {
+    RouterError::Validation(msg.into())
+}
+
+fn check_float(name: &str, v: Option<f32>, ok: impl Fn(f32) -> bool, rule: &str) -> Result<(), RouterError> {
+    match v {
+        Some(x) if !x.is_finite() || !ok(x) => Err(invalid(format!("`{name}` must be {rule}, got {x}"))),
+        _ => Ok(()),
+    }
+}
+
+impl Validation {
+    pub fn new(tokenizer: Arc<Tokenizer>, limits: Limits) -> Self {
+        Self { tokenizer, limits }
+    }
+
+    pub fn tokenizer(&self) -> &Arc<Tokenizer> {
+        &self.tokenizer
+    }
+
+    pub fn limits(&self) -> &Limits {
+        &self.limits
+    }
+
+    /// Tokenizes on the blocking pool so long prompts never stall the HTTP workers.
+    pub async fn tokenize(&self, text: String) -> Result<Vec<u32>, RouterError> {
+        let tokenizer = self.tokenizer.clone();
+        tokio::task::spawn_blocking(move || {
+            tokenizer
+                .encode(text, true)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| invalid(format!("tokenization failed: {e}")))
+        })
+        .await
+        .map_err(|e| invalid(format!("tokenization task failed: {e}")))?
+    }
+
+    pub async fn validate(&self, inputs: String, p: GenerateParameters) -> Result<ValidRequest, RouterError> {
+        let params = self.check_parameters(&p)?;
+        if inputs.is_empty() {
+            return Err(invalid("`inputs` must not be empty"));
+        }
+        let mut input_ids = self.tokenize(inputs.clone()).await?;
+        if input_ids.is_empty() {
+            return Err(invalid("`inputs` tokenized to zero tokens"));
+        }
+        if let Some(t) = p.truncate {
+            if t <= 0 {
+                return Err(invalid(format!("`truncate` must be strictly positive, got {t}")));
+            }
+            let t = t as usize;
+            if input_ids.len() > t {
+                // Keep the end of the prompt, as TGI does: it is what the model continues.
+                input_ids.drain(..input_ids.len() - t);
+            }
+        }
+        let input_len = input_ids.len() as u32;
+        let limits = &self.limits;
+        if input_len > limits.max_input_tokens {
+            return Err(invalid(format!(
+                "`inputs` must have less than {} tokens. Given: {input_len}",
+                limits.max_input_tokens + 1
+            )));
+        }
+        let max_new_tokens = match p.max_new_tokens {
+            Some(n) if n <= 0 => {
+                return Err(invalid(format!("`max_new_tokens` must be strictly positive, got {n}")))
+            }
+            Some(n) if n > u32::MAX as i64 => {
+                return Err(invalid(format!("`max_new_tokens` is too large: {n}")))
+            }
+            Some(n) => n as u32,
+            None => limits
+                .default_max_new_tokens
+                .min(limits.max_total_tokens - input_len),
+        };
+        if input_len as u64 + max_new_tokens as u64 > limits.max_total_tokens as u64 {
+            return Err(invalid(format!(
+                "`inputs` tokens + `max_new_tokens` must be <= {}. Given: {input_len} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
+                limits.max_total_tokens
+            )));
+        }
+        let top_n_tokens = match p.top_n_tokens {
+            Some(n) if n < 0 || n > limits.max_top_n_tokens as i64 => {
+                return Err(invalid(format!(
+                    "`top_n_tokens` must be >= 0 and <= {}. Given: {n}",
+                    limits.max_top_n_tokens
+                )))
+            }
+            Some(n) => n as u32,
+            None => 0,
+        };
+        if p.stop.len() > limits.max_stop_sequences as usize {
+            return Err(invalid(format!(
+                "`stop` supports up to {} stop sequences. Given: {}",
+                limits.max_stop_sequences,
+                p.stop.len()
+            )));
+        }
+        if p.stop.iter().any(|s| s.is_empty()) {
+            return Err(invalid("`stop` sequences must not be empty"));
+        }
+        Ok(ValidRequest {
+            inputs,
+            input_ids,
+            parameters: params,
+            max_new_tokens,
+            ignore_eos: p.ignore_eos_token,
+            stop_sequences: p.stop,
+            top_n_tokens,
+            decoder_input_details: p.decoder_input_details,
+            seed: p.seed,
+        })
+    }
+
+    fn check_parameters(&self, p: &GenerateParameters) -> Result<pb::NextTokenChooserParameters, RouterError> {
+        if let Some(b) = p.best_of {
+            if b == 0 {
+                return Err(invalid("`best_of` must be strictly positive"));
+            }
+            if b > 1 {
+                return Err(invalid("`best_of` > 1 is not supported yet"));
+            }
+        }
+        check_float("temperature", p.temperature, |x| x > 0.0, "strictly positive")?;
+        check_float("repetition_penalty", p.repetition_penalty, |x| x > 0.0, "strictly positive")?;
+        check_float("frequency_penalty", p.frequency_penalty, |x| (-2.0..=2.0).contains(&x), "in [-2, 2]")?;
+        check_float("presence_penalty", p.presence_penalty, |x| (-2.0..=2.0).contains(&x), "in [-2, 2]")?;
+        check_float("top_p", p.top_p, |x| x > 0.0 && x <= 1.0, "in (0, 1]")?;
+        check_float("typical_p", p.typical_p, |x| x > 0.0 && x <= 1.0, "in (0, 1]")?;
+        check_float("min_p", p.min_p, |x| (0.0..=1.0).contains(&x), "in [0, 1]")?;
+        let top_k = match p.top_k {
+            Some(k) if k <= 0 => return Err(invalid(format!("`top_k` must be strictly positive, got {k}"))),
+            Some(k) => k.min(u32::MAX as i64) as u32,
+            None => 0,
+        };
+        if p.watermark {
+            return Err(invalid("`watermark` is not supported"));
+        }
+        let temperature = p.temperature.unwrap_or(1.0);
+        // As in TGI: any sampling knob implies sampling.
+        let do_sample = p.do_sample
+            || (p.temperature.is_some() && temperature != 1.0)
+            || top_k > 0
+            || p.top_p.is_some_and(|x| x < 1.0)
+            || p.typical_p.is_some_and(|x| x < 1.0)
+            || p.min_p.is_some_and(|x| x > 0.0);
+        Ok(pb::NextTokenChooserParameters {
+            temperature,
+            top_k,
+            top_p: p.top_p.unwrap_or(1.0),
+            typical_p: p.typical_p.unwrap_or(1.0),
+            min_p: p.min_p.unwrap_or(0.0),
+            do_sample,
+            seed: p.seed.unwrap_or(0),
+            has_seed: p.seed.is_some(),
+            repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
+            frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
+            presence_penalty: p.presence_penalty.unwrap_or(0.0),
+        })
+    }
+}

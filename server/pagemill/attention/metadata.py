@@ -1,0 +1,72 @@
+"""What an attention backend needs to know about one packed forward pass.
+
+Tokens of all sequences are packed along one axis (no padding): sequence i
+owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q/k/v. Its keys/values live in
+the paged KV pool, reachable through block_tables[i].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    slot_mapping: torch.Tensor  # int64 [T]: flat KV slot (block * block_size + offset) of each new token
+    cu_seqlens_q: torch.Tensor  # int32 [B+1]: prefix sums of new-token counts
+    cu_seqlens_k: torch.Tensor  # int32 [B+1]: prefix sums of total lengths (cached prefix + new)
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_tables: torch.Tensor  # int32 [B, max_blocks], right-padded with block 0 (scratch)
+    context_lens: torch.Tensor  # int32 [B]: total KV length of each sequence after this step
+    # Host copies of the per-sequence lengths, so that reference code looping
+    # over sequences does not synchronise with the device for every .item().
+    query_lens: list[int]
+    kv_lens: list[int]
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def make_metadata(
+    *,
+    is_prefill: bool,
+    query_lens: Sequence[int],
+    kv_lens: Sequence[int],
+    block_tables: Sequence[Sequence[int]],
+    slot_mapping: Sequence[int],
+    device: torch.device | str,
+) -> AttentionMetadata:
+    """Builds the tensors from per-sequence python lists.
+
+    query_lens[i] new tokens of sequence i are written at slot_mapping and
+    attend to kv_lens[i] keys (the cached prefix plus themselves).
+    """
+    assert len(query_lens) == len(kv_lens) == len(block_tables)
+    assert len(slot_mapping) == sum(query_lens)
+    width = max((len(t) for t in block_tables), default=0)
+    padded = [list(t) + [0] * (width - len(t)) for t in block_tables]
+
+    def prefix_sums(lens: Sequence[int]) -> torch.Tensor:
+        out = [0]
+        for n in lens:
+            out.append(out[-1] + n)
+        return torch.tensor(out, dtype=torch.int32, device=device)
+
+    return AttentionMetadata(
+        is_prefill=is_prefill,
+        slot_mapping=torch.tensor(list(slot_mapping), dtype=torch.int64, device=device),
+        cu_seqlens_q=prefix_sums(query_lens),
+        cu_seqlens_k=prefix_sums(kv_lens),
+        max_seqlen_q=max(query_lens, default=0),
+        max_seqlen_k=max(kv_lens, default=0),
+        block_tables=torch.tensor(padded, dtype=torch.int32, device=device).reshape(len(padded), width),
+        context_lens=torch.tensor(list(kv_lens), dtype=torch.int32, device=device),
+        query_lens=list(query_lens),
+        kv_lens=list(kv_lens),
+    )

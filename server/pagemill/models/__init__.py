@@ -1,0 +1,1 @@
+"""Model definitions (Llama family), configs and checkpoint loaders."""

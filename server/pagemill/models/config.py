@@ -1,0 +1,157 @@
+"""Model hyper-parameters read from a Hugging Face `config.json`.
+
+Only what the Llama-family forward needs is kept. Both config layouts seen in
+the wild are accepted: the classic `rope_theta` + `rope_scaling` keys and the
+`rope_parameters` dict written by transformers >= 5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+# Rope variants whose inverse frequencies we compute (see layers.rope_inv_freq).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    rope_type: str  # "linear" | "llama3"
+    factor: float
+    # llama3 only
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # q/k/v projections carry a bias (Qwen2 always)
+    mlp_bias: bool
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    # Mistral v0.1 / Qwen2 option. Not applied by the attention backends yet:
+    # sequences longer than the window would diverge from the reference.
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"{model_dir!r} has no config.json")
+        with open(path) as f:
+            config = json.load(f)
+        generation = None
+        gen_path = os.path.join(model_dir, "generation_config.json")
+        if os.path.isfile(gen_path):
+            with open(gen_path) as f:
+                generation = json.load(f)
+        return cls.from_dict(config, generation)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], generation: dict[str, Any] | None = None) -> "ModelConfig":
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"unsupported model_type {model_type!r}: pagemill runs {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r}: only silu (SwiGLU MLP) is implemented")
+
+        hidden = int(d["hidden_size"])
+        heads = int(d["num_attention_heads"])
+        # Absent means multi-head attention (one kv head per query head).
+        kv_heads = int(d.get("num_key_value_heads") or heads)
+        if heads % kv_heads:
+            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+        head_dim = int(d.get("head_dim") or hidden // heads)
+
+        rope_theta, rope_scaling = _parse_rope(d)
+
+        sliding_window = d.get("sliding_window")
+        if model_type == "qwen2" and not d.get("use_sliding_window", False):
+            sliding_window = None  # Qwen2 writes a window but only uses it when asked
+
+        return cls(
+            model_type=model_type,
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Qwen2's config has no flag: its q/k/v projections always have a bias.
+            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            eos_token_ids=_eos_ids(d, generation),
+            bos_token_id=d.get("bos_token_id"),
+            sliding_window=int(sliding_window) if sliding_window else None,
+        )
+
+
+def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        scaling = dict(params)
+        theta = float(scaling.pop("rope_theta", d.get("rope_theta", 10000.0)))
+    else:
+        theta = float(d.get("rope_theta", 10000.0))
+        scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else None
+    if not scaling:
+        return theta, None
+    # Older configs spell the key "type".
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"unsupported rope scaling type {rope_type!r}: pagemill implements {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
+    if rope_type == "default":
+        return theta, None
+    if rope_type == "linear":
+        return theta, RopeScaling("linear", float(scaling["factor"]))
+    return theta, RopeScaling(
+        "llama3",
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def _eos_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> tuple[int, ...]:
+    """Union of the eos ids of generation_config.json (first) and config.json.
+
+    Chat models often list extra end-of-turn ids only in generation_config.json.
+    """
+    ids: list[int] = []
+    for source in (generation or {}, config):
+        value = source.get("eos_token_id")
+        if value is None:
+            continue
+        for i in value if isinstance(value, list) else [value]:
+            if int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)

@@ -1,0 +1,105 @@
+"""Loads a Hugging Face safetensors checkpoint directory into our model."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+
+import torch
+from safetensors import safe_open
+
+from pagemill.attention.backend import AttentionBackend
+from pagemill.models.config import ModelConfig
+from pagemill.models.llama import LlamaForCausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Checkpoint entries that are not weights of ours (older HF exports store rope buffers).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return {v: k for k, v in DTYPES.items()}[dtype]
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    """The checkpoint's files: from the sharded index if present, else every *.safetensors."""
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(model_dir, name) for name in sorted(set(weight_map.values()))]
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(
+            f"no *.safetensors in {model_dir!r} (pytorch_model.bin checkpoints are not supported; convert them)"
+        )
+    return files
+
+
+def load_model(
+    model_dir: str,
+    dtype: str | torch.dtype = "float32",
+    device: str | torch.device = "cpu",
+    backend: AttentionBackend | None = None,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    config = ModelConfig.from_model_dir(model_dir)
+    dtype, device = parse_dtype(dtype), torch.device(device)
+    # Build on the meta device: no time spent on random init we would overwrite.
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, backend).to(dtype)
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty created fresh parameters
+    load_weights(model, safetensors_files(model_dir))
+    model.eval().requires_grad_(False)
+    if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
+        log.warning(
+            "sliding_window=%d is not applied by the attention backends; sequences longer than it "
+            "will diverge from the reference model",
+            config.sliding_window,
+        )
+    return model, config
+
+
+@torch.no_grad()
+def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    tied = model.config.tie_word_embeddings
+    loaded: set[str] = set()
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if tied and name == "lm_head.weight":
+                    continue  # the embedding is the output projection
+                param = params.get(name)
+                if param is None:
+                    log.warning("ignoring checkpoint tensor %s (no such parameter)", name)
+                    continue
+                tensor = f.get_tensor(name)
+                if tensor.shape != param.shape:
+                    raise ValueError(
+                        f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}"
+                    )
+                param.copy_(tensor)  # casts to the model dtype and device
+                loaded.add(name)
+    if tied and "model.embed_tokens.weight" in loaded:
+        loaded.add("lm_head.weight")
+    missing = sorted(set(params) - loaded)
+    if missing:
+        hint = " (set tie_word_embeddings in config.json if lm_head shares the embedding)" if missing == [
+            "lm_head.weight"
+        ] else ""
+        raise ValueError(f"checkpoint is missing {len(missing)} weights: {', '.join(missing[:8])}{hint}")

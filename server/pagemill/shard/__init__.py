@@ -1,0 +1,1 @@
+"""The model shard: gRPC service, cached batch state, model runner, KV pool."""

@@ -1,0 +1,74 @@
+"""The paged KV cache: one K and one V tensor per layer, cut into blocks.
+
+The router owns block ids; the shard only holds the memory. Block 0 is
+scratch: the router never hands it out, padding entries of block tables
+point at it and warmup writes its dummy tokens into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pagemill.models.config import ModelConfig
+
+SCRATCH_BLOCK = 0
+
+
+@dataclass
+class KVPool:
+    num_blocks: int
+    block_size: int
+    # [layers, 2, num_blocks, block_size, kv_heads, head_dim]: one allocation,
+    # per-layer views below (contiguous, so flat slot views are free).
+    storage: torch.Tensor
+
+    @property
+    def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [(layer[0], layer[1]) for layer in self.storage]
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+        return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def allocate(
+        cls,
+        config: ModelConfig,
+        *,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        memory_bytes: int,
+    ) -> "KVPool":
+        """As many blocks as fit in memory_bytes (K and V of all layers together)."""
+        per_block = cls.bytes_per_block(config, block_size, dtype)
+        num_blocks = memory_bytes // per_block
+        if num_blocks < 2:
+            raise ValueError(
+                f"KV cache budget of {memory_bytes} bytes holds {num_blocks} blocks of {per_block} bytes; "
+                "need at least 2 (block 0 is scratch)"
+            )
+        return cls.with_blocks(config, num_blocks=num_blocks, block_size=block_size, dtype=dtype, device=device)
+
+    @classmethod
+    def with_blocks(
+        cls, config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+    ) -> "KVPool":
+        shape = (
+            config.num_hidden_layers,
+            2,
+            num_blocks,
+            block_size,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        # Zeros, not empty: decode multiplies masked (never written) slots by 0,
+        # and 0 * NaN from uninitialised memory would poison the output.
+        return cls(num_blocks=num_blocks, block_size=block_size, storage=torch.zeros(shape, dtype=dtype, device=device))

@@ -1,0 +1,83 @@
+"""Shard process entry point: load the model, serve gRPC on a unix socket."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import stat
+
+import grpc
+import torch
+
+from pagemill.config import ShardConfig
+from pagemill.shard.engine import ModelRunner
+from pagemill.shard.service import ShardService
+
+log = logging.getLogger("pagemill.shard")
+
+# Prefill batches of long prompts and responses with top-n alternatives can
+# exceed gRPC's 4 MiB default.
+MAX_MESSAGE_BYTES = 256 << 20
+MAX_UDS_PATH = 107  # sockaddr_un.sun_path is 108 bytes on Linux, NUL included
+
+
+def serve(config: ShardConfig) -> None:
+    """Blocks until SIGTERM/SIGINT, then stops the server and removes the socket."""
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if config.world_size > 1:
+        raise NotImplementedError(
+            f"tensor parallelism is not implemented yet (world_size={config.world_size}); run one shard"
+        )
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    runner = ModelRunner.from_shard_config(config)
+    asyncio.run(serve_runner(runner, config.uds_path))
+
+
+async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event | None = None) -> None:
+    """Serves `runner` on unix://uds_path until `stop` is set (or a signal arrives)."""
+    if len(os.fsencode(uds_path)) > MAX_UDS_PATH:
+        raise ValueError(f"unix socket path is longer than {MAX_UDS_PATH} bytes: {uds_path}")
+    _remove_stale_socket(uds_path)
+    server = grpc.aio.server(
+        options=[
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ]
+    )
+    server.add_generic_rpc_handlers((ShardService(runner).generic_handler(),))
+    server.add_insecure_port(f"unix://{uds_path}")
+    await server.start()
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (RuntimeError, ValueError):  # not the main thread (tests): rely on `stop`
+            pass
+    info = runner.info()
+    log.info(
+        "shard %d/%d ready on unix://%s: model=%s dtype=%s device=%s attention=%s",
+        info.rank, info.world_size, uds_path, info.model_id, info.dtype, info.device_type, info.attention_backend,
+    )  # fmt: skip
+    try:
+        await stop.wait()
+    finally:
+        log.info("shard %d stopping", info.rank)
+        await server.stop(grace=1.0)
+        if os.path.exists(uds_path):
+            os.unlink(uds_path)
+
+
+def _remove_stale_socket(path: str) -> None:
+    """A socket file left by a killed shard would make bind() fail."""
+    if not os.path.lexists(path):
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        return
+    if not stat.S_ISSOCK(os.lstat(path).st_mode):
+        raise FileExistsError(f"{path} exists and is not a socket; refusing to replace it")
+    os.unlink(path)

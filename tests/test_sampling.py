@@ -1,0 +1,205 @@
+"""Sampler controls against transformers' logits processors; seeding; greedy."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from transformers import (
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from pagemill.proto import pb
+from pagemill.sampling.params import SamplingParams
+from pagemill.sampling.sampler import Sampler, apply_penalties, apply_warpers
+
+VOCAB = 200
+
+
+@dataclass
+class Row:
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=lambda: [0])
+    prompt_len: int = 1
+    top_n: int = 0
+    generator: torch.Generator | None = None
+
+    def seeded(self) -> "Row":
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+        return self
+
+
+def random_logits(rows: int, seed: int = 0, vocab: int = VOCAB) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, vocab, generator=g) * 3
+    logits[:, :5] = logits[:, 5:10]  # ties
+    return logits
+
+
+def hf_warp(logits_row: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """HF's warper chain for one row, in generate()'s order."""
+    x = logits_row[None].clone()
+    ids = torch.zeros((1, 1), dtype=torch.long)
+    if p.temperature not in (0.0, 1.0):
+        x = TemperatureLogitsWarper(p.temperature)(ids, x)
+    if p.top_k > 0:
+        x = TopKLogitsWarper(p.top_k)(ids, x)
+    if p.top_p < 1.0:
+        x = TopPLogitsWarper(p.top_p)(ids, x)
+    if p.min_p > 0.0:
+        x = MinPLogitsWarper(p.min_p)(ids, x)
+    if p.typical_p < 1.0:
+        x = TypicalLogitsWarper(p.typical_p)(ids, x)
+    return x[0]
+
+
+def ours_warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    temps = torch.tensor([p.temperature if p.temperature not in (0.0, 1.0) else 1.0 for p in params])
+    return apply_warpers(logits / temps[:, None], params)
+
+
+def assert_same_truncation(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert torch.equal(torch.isinf(ours), torch.isinf(ref)), f"{what}: different tokens kept"
+    kept = ~torch.isinf(ref)
+    torch.testing.assert_close(ours[kept], ref[kept], msg=what)
+
+
+CONTROLS = {
+    "temperature": [dict(temperature=t) for t in (0.3, 0.7, 1.0, 1.5, 2.0)],
+    "top_k": [dict(top_k=k) for k in (0, 1, 5, 40, 10_000)],
+    "top_p": [dict(top_p=p) for p in (1.0, 0.05, 0.5, 0.9, 0.99)],
+    "min_p": [dict(min_p=m) for m in (0.0, 0.01, 0.1, 0.5, 1.0)],
+    "typical_p": [dict(typical_p=m) for m in (1.0, 0.2, 0.5, 0.9, 0.95)],
+    "combined": [
+        dict(temperature=0.7, top_k=50, top_p=0.9),
+        dict(temperature=1.3, top_p=0.8, min_p=0.05),
+        dict(top_k=20, typical_p=0.7),
+        dict(temperature=0.5, top_k=100, top_p=0.95, min_p=0.02, typical_p=0.9),
+        dict(),
+    ],
+}
+
+
+@pytest.mark.parametrize("control", list(CONTROLS))
+def test_warpers_match_transformers_in_a_mixed_batch(control):
+    params = [SamplingParams(do_sample=True, **kw) for kw in CONTROLS[control]]
+    logits = random_logits(len(params), seed=len(control))
+    ours = ours_warp(logits, params)
+    for i, p in enumerate(params):
+        assert_same_truncation(ours[i], hf_warp(logits[i], p), f"{control} row {i} {p}")
+
+
+def test_repetition_penalty_matches_transformers():
+    contexts = [[3, 7, 7, 150], [5], [0, 1, 2, 3, 4, 5, 6], [9, 9]]
+    penalties = [1.3, 1.0, 0.8, 2.0]
+    rows = [Row(SamplingParams(repetition_penalty=r), token_ids=c, prompt_len=len(c)) for r, c in zip(penalties, contexts)]
+    logits = random_logits(len(rows), seed=3)
+    ours = apply_penalties(logits, rows)
+    for i, (r, c) in enumerate(zip(penalties, contexts)):
+        ref = logits[i : i + 1] if r == 1.0 else RepetitionPenaltyLogitsProcessor(r)(torch.tensor([c]), logits[i : i + 1].clone())
+        torch.testing.assert_close(ours[i], ref[0])
+
+
+def test_frequency_and_presence_penalties_count_generated_tokens_only():
+    # prompt [4, 4, 8]; generated [8, 8, 11]
+    row = Row(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25), token_ids=[4, 4, 8, 8, 8, 11], prompt_len=3)
+    plain = Row(SamplingParams())
+    logits = random_logits(2, seed=4)
+    ours = apply_penalties(logits, [row, plain])
+    expected = logits[0].clone()
+    expected[8] -= 2 * 0.5 + 0.25
+    expected[11] -= 1 * 0.5 + 0.25
+    torch.testing.assert_close(ours[0], expected)  # token 4 only in the prompt: untouched
+    torch.testing.assert_close(ours[1], logits[1])
+
+
+def test_greedy_is_argmax_with_raw_logprobs():
+    logits = random_logits(5, seed=5)
+    rows = [Row(SamplingParams(), top_n=3) for _ in range(5)]
+    out = Sampler()(logits, rows)
+    assert out.token_ids == logits.argmax(-1).tolist()
+    logp = logits.log_softmax(-1)
+    torch.testing.assert_close(torch.tensor(out.logprobs), logp.max(-1).values)
+    for i in range(5):
+        assert out.top_ids[i] == logp[i].topk(3).indices.tolist()
+        torch.testing.assert_close(torch.tensor(out.top_logprobs[i]), logp[i].topk(3).values)
+    # temperature 0 is greedy even with do_sample
+    assert SamplingParams(temperature=0.0, do_sample=True).greedy
+
+
+def test_sampled_logprob_is_after_penalties_and_temperature_before_truncation():
+    logits = random_logits(3, seed=6)
+    params = [
+        SamplingParams(do_sample=True, temperature=0.5, top_k=3, seed=1),
+        SamplingParams(do_sample=True, temperature=2.0, top_p=0.5, repetition_penalty=1.5, seed=2),
+        SamplingParams(),  # greedy in the same batch
+    ]
+    rows = [Row(p, token_ids=[1, 2, 3], prompt_len=3, top_n=2).seeded() for p in params]
+    out = Sampler()(logits, rows)
+    penalised = apply_penalties(logits, rows)
+    for i, p in enumerate(params):
+        t = p.temperature if not p.greedy else 1.0
+        logp = (penalised[i] / t).log_softmax(-1)
+        assert out.logprobs[i] == pytest.approx(logp[out.token_ids[i]].item(), abs=1e-5)
+        assert out.top_ids[i] == logp.topk(2).indices.tolist()
+    # the sampled tokens survived their own truncation
+    assert out.token_ids[0] in logits[0].topk(3).indices.tolist()
+
+
+def test_seeded_requests_do_not_depend_on_batch_composition():
+    target = SamplingParams(do_sample=True, temperature=0.9, top_p=0.95, seed=1234)
+    others = [
+        SamplingParams(do_sample=True, seed=7),
+        SamplingParams(),
+        SamplingParams(do_sample=True, top_k=5),  # unseeded: shared generator
+        SamplingParams(do_sample=True, temperature=1.5, seed=99),
+    ]
+    steps = [random_logits(5, seed=100 + s) for s in range(12)]
+
+    def run(batch: list[SamplingParams], position: int) -> list[int]:
+        rows = [Row(p).seeded() for p in batch]
+        sampler = Sampler(seed=0)
+        tokens = []
+        for logits in steps:
+            # the target always sees row 0, the others rows 1, 2, ...
+            rest = list(logits[1 : len(batch)])
+            lg = torch.stack(rest[:position] + [logits[0]] + rest[position:])
+            tokens.append(sampler(lg, rows).token_ids[position])
+        return tokens
+
+    alone = run([target], 0)
+    crowded = run(others[:2] + [target] + others[2:], 2)
+    reordered = run([target] + others[::-1], 0)
+    assert alone == crowded == reordered
+    assert len(set(alone)) > 1  # it really sampled
+
+
+def test_sampling_frequencies_follow_the_warped_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2]])
+    params = SamplingParams(do_sample=True, temperature=0.8, top_k=5)
+    n = 20000
+    out = Sampler(seed=0)(logits.expand(n, -1), [Row(params)] * n)
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=8).float() / n
+    expected = hf_warp(logits[0], params).softmax(-1)
+    assert (freq - expected).abs().max() < 0.015
+    assert freq[expected == 0].sum() == 0
+
+
+def test_params_from_proto():
+    p = SamplingParams.from_pb(pb.NextTokenChooserParameters())  # all zero: greedy, everything off
+    assert p.greedy and p.top_p == 1.0 and p.typical_p == 1.0 and p.repetition_penalty == 1.0 and p.seed is None
+    p = SamplingParams.from_pb(pb.NextTokenChooserParameters(temperature=0.7, top_p=0.9, seed=5, has_seed=True))
+    assert not p.greedy and p.seed == 5  # a warper implies sampling (TGI)
+    p = SamplingParams.from_pb(pb.NextTokenChooserParameters(temperature=1.0, seed=5))
+    assert p.greedy and p.seed is None
+    for bad in (dict(temperature=-1.0), dict(min_p=1.5), dict(top_p=-0.1), dict(repetition_penalty=-2.0),
+                dict(temperature=float("nan"))):  # fmt: skip
+        with pytest.raises(ValueError):
+            SamplingParams.from_pb(pb.NextTokenChooserParameters(**bad))
