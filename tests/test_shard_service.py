@@ -57,6 +57,13 @@ class Client:
         return lambda request: stub(request, timeout=60)
 
 
+NOT_FOUND, INVALID = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT
+
+
+def prefill(client: "Client", batch_id: int, *requests: pb.Request) -> pb.PrefillResponse:
+    return client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=requests)))
+
+
 def status_of(call) -> grpc.StatusCode:
     with pytest.raises(grpc.RpcError) as e:
         call()
@@ -90,7 +97,9 @@ class FakeRouter:
             block_table=self.tables[rid],
             slots=[self.slot(rid, p) for p in range(cache_len, len(input_ids))],
             parameters=params or pb.NextTokenChooserParameters(),
-            stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos),
+            stopping_parameters=pb.StoppingCriteriaParameters(
+                max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos
+            ),
             top_n_tokens=top_n,
             prefill_logprobs=prefill_logprobs,
         )
@@ -169,6 +178,7 @@ def shard(tmp_path_factory):
             break
         except grpc.RpcError:
             if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
                 raise RuntimeError(f"shard did not start:\n{open(log_path).read()}")
             time.sleep(0.2)
     pre = status_of(lambda: client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=[]))))
@@ -197,7 +207,9 @@ def test_info_health_warmup(shard):
     client.Health(pb.HealthRequest())
     assert pre == grpc.StatusCode.FAILED_PRECONDITION  # Prefill before Warmup
     assert warm.num_blocks == POOL_BLOCKS and warm.block_size == BLOCK_SIZE and warm.warmup_ns > 0
-    too_long = pb.WarmupRequest(max_batch_prefill_tokens=8, max_input_tokens=8, max_total_tokens=10**6, max_batch_size=1)
+    too_long = pb.WarmupRequest(
+        max_batch_prefill_tokens=8, max_input_tokens=8, max_total_tokens=10**6, max_batch_size=1
+    )
     assert status_of(lambda: client.Warmup(too_long)) == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert client.Warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_input_tokens=32, max_total_tokens=64,
                                           max_batch_size=8)).num_blocks == POOL_BLOCKS  # fmt: skip
@@ -206,21 +218,23 @@ def test_info_health_warmup(shard):
 def test_greedy_generation_matches_transformers(shard, router):
     client, hf, eos, *_ = shard
     g = torch.Generator().manual_seed(11)
-    prompts = {rid: torch.randint(3, 320, (n,), generator=g).tolist() for rid, n in [(10, 6), (11, 13), (12, 3), (13, 9)]}
+    lengths = {10: 6, 11: 13, 12: 3, 13: 9}
+    prompts = {rid: torch.randint(3, 320, (n,), generator=g).tolist() for rid, n in lengths.items()}
     max_new = {10: 12, 11: 7, 12: 15, 13: 9}
     reqs = [router.request(r, prompts[r], max_new[r], ignore_eos=True, top_n=3 if r == 11 else 0) for r in (10, 11, 12)]
-    resp = client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=1, requests=reqs)))
+    resp = prefill(client, 1, *reqs)
     assert list(resp.batch.request_ids) == [10, 11, 12] and resp.forward_ns > 0 and resp.total_ns >= resp.forward_ns
     out: dict = {}
     collect(resp.generations, out)
     batch, step = resp.batch, 0
     while batch.request_ids:
         if step == 2:  # a request joins mid-way: own prefill, then concatenated
-            late = client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=2, requests=[router.request(13, prompts[13], max_new[13], ignore_eos=True)])))
+            late = prefill(client, 2, router.request(13, prompts[13], max_new[13], ignore_eos=True))
             collect(late.generations, out)
             resp = router.decode(client, [batch, late.batch])
             assert resp.batch.id == 1  # keeps the first id; batch 2 is gone
-            assert status_of(lambda: client.FilterBatch(pb.FilterBatchRequest(batch_id=2, request_ids=[13]))) == grpc.StatusCode.NOT_FOUND
+            gone = pb.FilterBatchRequest(batch_id=2, request_ids=[13])
+            assert status_of(lambda: client.FilterBatch(gone)) == NOT_FOUND
         else:
             resp = router.decode(client, [batch])
         collect(resp.generations, out)
@@ -238,13 +252,13 @@ def test_greedy_generation_matches_transformers(shard, router):
         ref = [logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(expected)]
         assert out[rid]["logprobs"] == pytest.approx(ref, abs=1e-4)
     assert all(len(t) == 3 and t[0] == i for t, i in zip(out[11]["top"], out[11]["ids"]))
-    assert status_of(lambda: router.decode(client, [pb.CachedBatch(id=1)])) == grpc.StatusCode.NOT_FOUND
+    assert status_of(lambda: router.decode(client, [pb.CachedBatch(id=1)])) == NOT_FOUND
 
 
 def test_eos_finishes_and_matches_generate(shard, router):
     client, hf, eos, *_ = shard
     reqs = [router.request(20, EOS_PROMPT, 10), router.request(21, EOS_PROMPT, 10, ignore_eos=True)]
-    resp = client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=3, requests=reqs)))
+    resp = prefill(client, 3, *reqs)
     out: dict = {}
     collect(resp.generations, out)
     while resp.HasField("batch"):
@@ -262,7 +276,7 @@ def test_eos_finishes_and_matches_generate(shard, router):
 def test_finish_at_prefill_and_prompt_logprobs(shard, router):
     client, hf, *_ = shard
     prompt = [3, 14, 15, 92, 65, 35]
-    resp = client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=4, requests=[router.request(30, prompt, 1, prefill_logprobs=True)])))
+    resp = prefill(client, 4, router.request(30, prompt, 1, prefill_logprobs=True))
     assert not resp.HasField("batch")  # everything finished: nothing cached
     (gen,) = resp.generations
     assert gen.finish_reason == pb.FINISH_REASON_LENGTH and list(gen.prefill_tokens.ids) == prompt
@@ -271,17 +285,17 @@ def test_finish_at_prefill_and_prompt_logprobs(shard, router):
         logp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
     assert math.isnan(lps[0])
     assert lps[1:] == pytest.approx([logp[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)], abs=1e-4)
-    assert status_of(lambda: router.decode(client, [pb.CachedBatch(id=4)])) == grpc.StatusCode.NOT_FOUND
+    assert status_of(lambda: router.decode(client, [pb.CachedBatch(id=4)])) == NOT_FOUND
 
 
 def test_cached_prefix_request(shard, router):
     """The router's prefix cache: request 41 reuses two full blocks of request 40."""
     client, hf, *_ = shard
     base = [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
-    client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=5, requests=[router.request(40, base, 3)])))
+    prefill(client, 5, router.request(40, base, 3))
     other = base[:8] + [200, 201, 202]
     req = router.request(41, other, 6, cache_len=8, shared=router.tables[40][:2], ignore_eos=True)
-    resp = client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=6, requests=[req])))
+    resp = prefill(client, 6, req)
     out: dict = {}
     collect(resp.generations, out)
     while resp.HasField("batch"):
@@ -293,7 +307,7 @@ def test_cached_prefix_request(shard, router):
 def test_filter_and_clear(shard, router):
     client, *_ = shard
     reqs = [router.request(r, [4 + r, 5, 6, 7, 8], 20, ignore_eos=True) for r in (50, 51, 52)]
-    batch = client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=7, requests=reqs))).batch
+    batch = prefill(client, 7, *reqs).batch
     batch = router.decode(client, [batch]).batch
     kept = client.FilterBatch(pb.FilterBatchRequest(batch_id=7, request_ids=[52, 50])).batch
     assert kept.id == 7 and list(kept.request_ids) == [50, 52]
@@ -301,21 +315,21 @@ def test_filter_and_clear(shard, router):
     assert [g.request_id for g in resp.generations] == [50, 52]
     unknown = pb.FilterBatchRequest(batch_id=7, request_ids=[51])  # filtered out already
     assert status_of(lambda: client.FilterBatch(unknown)) == grpc.StatusCode.INVALID_ARGUMENT
-    assert status_of(lambda: client.FilterBatch(pb.FilterBatchRequest(batch_id=99, request_ids=[1]))) == grpc.StatusCode.NOT_FOUND
+    assert status_of(lambda: client.FilterBatch(pb.FilterBatchRequest(batch_id=99, request_ids=[1]))) == NOT_FOUND
     empty = client.FilterBatch(pb.FilterBatchRequest(batch_id=7, request_ids=[])).batch
     assert empty.id == 7 and not empty.request_ids
-    assert status_of(lambda: router.decode(client, [kept])) == grpc.StatusCode.NOT_FOUND  # dropped
+    assert status_of(lambda: router.decode(client, [kept])) == NOT_FOUND  # dropped
 
-    batch = client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=8, requests=[router.request(53, [9, 9, 9], 5)]))).batch
+    batch = prefill(client, 8, router.request(53, [9, 9, 9], 5)).batch
     client.ClearCache(pb.ClearCacheRequest(batch_id=8))
     client.ClearCache(pb.ClearCacheRequest(batch_id=8))  # unknown id: no-op
-    assert status_of(lambda: router.decode(client, [batch])) == grpc.StatusCode.NOT_FOUND
+    assert status_of(lambda: router.decode(client, [batch])) == NOT_FOUND
 
 
 def test_bad_input_gets_a_status_not_a_crash(shard, router):
     client, hf, *_ = shard
     prompt = [21, 22, 23, 24, 25]
-    batch = client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=9, requests=[router.request(60, prompt, 8, ignore_eos=True)]))).batch
+    batch = prefill(client, 9, router.request(60, prompt, 8, ignore_eos=True)).batch
     first = list(batch.request_ids)
 
     def decode_with(mutate) -> grpc.StatusCode:
@@ -333,9 +347,10 @@ def test_bad_input_gets_a_status_not_a_crash(shard, router):
     assert decode_with(lambda s: setattr(s, "request_id", 61)) == invalid  # wrong request
     assert status_of(lambda: client.Decode(pb.DecodeRequest(batches=[batch], slots=[]))) == invalid
     assert status_of(lambda: client.Decode(pb.DecodeRequest(batches=[]))) == invalid
-    assert status_of(lambda: client.Decode(pb.DecodeRequest(batches=[batch, batch], slots=router.slots([60])))) == invalid
+    twice = pb.DecodeRequest(batches=[batch, batch], slots=router.slots([60]))
+    assert status_of(lambda: client.Decode(twice)) == invalid
 
-    def prefill(**kw) -> grpc.StatusCode:
+    def bad_prefill(**kw) -> grpc.StatusCode:
         req = router.request(70, [1, 2, 3, 4, 5, 6], 4)
         for k, v in kw.items():
             value = getattr(req, k)
@@ -348,11 +363,11 @@ def test_bad_input_gets_a_status_not_a_crash(shard, router):
                 setattr(req, k, v)
         return status_of(lambda: client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=10, requests=[req]))))
 
-    assert prefill(slots=[1, 2]) == invalid
-    assert prefill(input_ids=[1, 2, 3, 4, 5, 6, 1000]) == invalid  # > vocab (and table too short)
-    assert prefill(cache_len=6) == invalid
-    assert prefill(parameters=pb.NextTokenChooserParameters(temperature=-1.0)) == invalid
-    assert prefill(stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=0)) == invalid
+    assert bad_prefill(slots=[1, 2]) == invalid
+    assert bad_prefill(input_ids=[1, 2, 3, 4, 5, 6, 1000]) == invalid  # > vocab (and table too short)
+    assert bad_prefill(cache_len=6) == invalid
+    assert bad_prefill(parameters=pb.NextTokenChooserParameters(temperature=-1.0)) == invalid
+    assert bad_prefill(stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=0)) == invalid
     dup = pb.Batch(id=11, requests=[router.request(71, [1, 2], 2), router.request(71, [1, 2], 2)])
     assert status_of(lambda: client.Prefill(pb.PrefillRequest(batch=dup))) == invalid
     again = pb.Batch(id=9, requests=[router.request(72, [1, 2], 2)])
@@ -373,9 +388,9 @@ def test_seeded_sampling_is_reproducible(shard, router):
 
     def run(batch_id: int, rid: int, companions: int) -> list[int]:
         reqs = [router.request(rid, [5, 6, 7], 6, ignore_eos=True, params=params)]
-        reqs += [router.request(rid + 1 + i, [8, 9], 6, ignore_eos=True,
-                                params=pb.NextTokenChooserParameters(do_sample=True)) for i in range(companions)]  # fmt: skip
-        resp = client.Prefill(pb.PrefillRequest(batch=pb.Batch(id=batch_id, requests=reqs)))
+        unseeded = pb.NextTokenChooserParameters(do_sample=True)
+        reqs += [router.request(rid + 1 + i, [8, 9], 6, ignore_eos=True, params=unseeded) for i in range(companions)]
+        resp = prefill(client, batch_id, *reqs)
         out: dict = {}
         collect(resp.generations, out)
         while resp.HasField("batch"):
@@ -412,7 +427,9 @@ def test_health_fails_once_a_forward_broke(tmp_path):
         ShardConfig(model_dir=model_dir, uds_path="unused", block_size=BLOCK_SIZE, kv_cache_memory=64 * BLOCK_BYTES)
     )
     runner.health()
-    runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=16, max_input_tokens=8, max_total_tokens=32, max_batch_size=2))
+    runner.warmup(
+        pb.WarmupRequest(max_batch_prefill_tokens=16, max_input_tokens=8, max_total_tokens=32, max_batch_size=2)
+    )
     batch = runner.new_batch(pb.Batch(id=1, requests=[FakeRouter(64).request(1, [1, 2, 3], 4)]))
     runner.model.model.embed_tokens = None  # sabotage: the forward now raises
     with pytest.raises(TypeError):

@@ -97,6 +97,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         allocator,
         tokenizer.clone(),
         budget,
+        shard_info.speculate,
         queue_rx,
         state.clone(),
     );

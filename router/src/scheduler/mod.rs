@@ -34,6 +34,8 @@ pub struct Scheduler {
     /// Shard-side batches in the order the shard concatenates them.
     batches: Vec<pb::CachedBatch>,
     reserved: Reservation,
+    /// Proposals per decode step; each step writes speculate + 1 slots.
+    speculate: u32,
     next_batch_id: u64,
     state: Arc<RouterState>,
 }
@@ -44,6 +46,7 @@ impl Scheduler {
         allocator: BlockAllocator,
         tokenizer: Arc<Tokenizer>,
         budget: Budget,
+        speculate: u32,
         rx: mpsc::UnboundedReceiver<Entry>,
         state: Arc<RouterState>,
     ) -> Self {
@@ -64,6 +67,7 @@ impl Scheduler {
             running: HashMap::new(),
             batches: Vec::new(),
             reserved: Reservation::default(),
+            speculate,
             next_batch_id: 0,
             state,
         }
@@ -110,7 +114,8 @@ impl Scheduler {
                 let input_len = e.request.input_ids.len() as u32;
                 Candidate {
                     prefill_tokens: input_len,
-                    reservation: Reservation::of(&self.budget, input_len, e.request.max_new_tokens),
+                    // Speculation writes up to `speculate` slots past the last token.
+                    reservation: Reservation::of(&self.budget, input_len, e.request.max_new_tokens + self.speculate),
                 }
             })
             .collect();
@@ -162,6 +167,7 @@ impl Scheduler {
                     top_n_tokens: r.top_n_tokens,
                     prefill_logprobs: r.decoder_input_details,
                     generated_len: 0,
+                    grammar: None,
                 }
             })
             .collect();
@@ -189,13 +195,14 @@ impl Scheduler {
         for b in &self.batches {
             for id in &b.request_ids {
                 let s = self.running.get_mut(id).expect("cached request is running");
-                // Grow only when this token crosses a block boundary.
-                let grown = s.blocks.ensure_capacity(s.seq_len + 1);
+                // Grow only when this step's tokens cross a block boundary.
+                let end = s.seq_len + 1 + self.speculate;
+                let grown = s.blocks.ensure_capacity(end);
                 assert!(grown, "reserved blocks are free");
                 slots.push(pb::RequestSlots {
                     request_id: *id,
                     block_table: s.blocks.ids().to_vec(),
-                    slots: vec![s.blocks.slot(s.seq_len)],
+                    slots: s.blocks.slots(s.seq_len, end),
                 });
             }
         }
@@ -204,8 +211,13 @@ impl Scheduler {
             slots,
         };
         let resp = self.client.decode(req).await?;
-        for s in self.running.values_mut() {
-            s.seq_len += 1;
+        // The KV of the fed token and of every accepted proposal is now valid:
+        // one position per returned token. Slots written past that (rejected
+        // proposals) are simply overwritten by later steps.
+        for g in &resp.generations {
+            if let Some(s) = self.running.get_mut(&g.request_id) {
+                s.seq_len += g.tokens.as_ref().map_or(1, |t| t.ids.len() as u32);
+            }
         }
         let ended = self.apply_generations(&resp.generations, false);
         if let Some(b) = resp.batch {

@@ -117,7 +117,9 @@ class ModelRunner:
 
     def warmup(self, req) -> "pb.WarmupResponse":
         if req.max_batch_prefill_tokens == 0 or req.max_input_tokens == 0:
-            raise ShardError(grpc.StatusCode.INVALID_ARGUMENT, "max_batch_prefill_tokens and max_input_tokens must be > 0")
+            raise ShardError(
+                grpc.StatusCode.INVALID_ARGUMENT, "max_batch_prefill_tokens and max_input_tokens must be > 0"
+            )
         self.pool = None  # a second warmup replaces the pool (the service drops cached batches)
         start = time.perf_counter_ns()
         try:
