@@ -78,6 +78,7 @@ impl Infer {
             request: request.clone(),
             response_tx: tx,
             queued_at: Instant::now(),
+            group: None,
         };
         RouterState::add(&self.state.requests_total, 1);
         self.queue_tx

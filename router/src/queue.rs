@@ -18,6 +18,9 @@ pub struct Entry {
     pub request: ValidRequest,
     pub response_tx: ResponseTx,
     pub queued_at: Instant,
+    /// Entries of one `n`/`best_of` request share an id here: the scheduler
+    /// admits them together and they share their prompt's KV blocks.
+    pub group: Option<u64>,
 }
 
 impl Entry {
