@@ -26,6 +26,10 @@ pub struct RouterConfig {
     pub validation_workers: usize,
     /// How long SIGTERM waits for in-flight requests before closing.
     pub shutdown_timeout_s: u64,
+    /// When set, generation routes require `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Largest `n` (OpenAI) / `best_of` (TGI) of one request.
+    pub max_best_of: u32,
 }
 
 impl Default for RouterConfig {
@@ -48,6 +52,8 @@ impl Default for RouterConfig {
             payload_limit: 2_000_000,
             validation_workers: 2,
             shutdown_timeout_s: 30,
+            api_key: None,
+            max_best_of: 4,
         }
     }
 }
@@ -68,6 +74,12 @@ impl RouterConfig {
                 "max_batch_prefill_tokens ({}) must be >= max_input_tokens ({})",
                 self.max_batch_prefill_tokens, self.max_input_tokens
             ));
+        }
+        if self.max_best_of == 0 {
+            return Err("max_best_of must be positive".into());
+        }
+        if self.api_key.as_deref() == Some("") {
+            return Err("api_key must not be empty (leave it unset to disable authentication)".into());
         }
         if self.max_batch_size == 0 || self.max_concurrent_requests == 0 {
             return Err("max_batch_size and max_concurrent_requests must be positive".into());

@@ -18,6 +18,8 @@ pub struct RouterState {
     /// Sum over decode steps of the shard's forward time and of the whole step, in ns.
     pub decode_forward_ns_total: AtomicU64,
     pub decode_step_ns_total: AtomicU64,
+    /// Latency histograms and per-route counters, written by the HTTP side.
+    pub metrics: crate::metrics::Metrics,
 }
 
 impl RouterState {

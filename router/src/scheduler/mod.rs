@@ -167,7 +167,7 @@ impl Scheduler {
                     top_n_tokens: r.top_n_tokens,
                     prefill_logprobs: r.decoder_input_details,
                     generated_len: 0,
-                    grammar: None,
+                    grammar: r.grammar.clone(),
                 }
             })
             .collect();
