@@ -4,8 +4,23 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+# The SDK of this tree (scripts/test.sh also pip-installs it).
+sys.path.insert(0, str(Path(__file__).parent.parent / "clients" / "python"))
 
 from server import launch  # noqa: E402
+
+
+def pytest_addoption(parser):
+    parser.addoption("--snapshot-update", action="store_true", default=False,
+                     help="rewrite integration-tests/snapshots/*.json from the server's answers "
+                          "(or set PAGEMILL_SNAPSHOT_UPDATE=1)")
+
+
+@pytest.fixture(scope="session")
+def snapshot_update(request) -> bool:
+    import os
+
+    return request.config.getoption("--snapshot-update") or os.environ.get("PAGEMILL_SNAPSHOT_UPDATE") == "1"
 
 
 @pytest.fixture(scope="session")

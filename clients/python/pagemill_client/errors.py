@@ -1,0 +1,61 @@
+"""Typed exceptions, chosen from the server's `error_type` (then the HTTP status)."""
+
+from __future__ import annotations
+
+
+class PagemillError(Exception):
+    """Any error response; `status` is None for errors inside a stream."""
+
+    def __init__(self, message: str, error_type: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.message = message
+        self.error_type = error_type
+        self.status = status
+
+
+class ValidationError(PagemillError):
+    """422: the request was invalid (parameters, JSON, token limits, chat template)."""
+
+
+class OverloadedError(PagemillError):
+    """429: more concurrent requests than the server accepts; retry later."""
+
+
+class GenerationError(PagemillError):
+    """424: a model shard failed while generating."""
+
+
+class UnhealthyError(PagemillError):
+    """503: the server or its shards are not ready."""
+
+
+class AuthenticationError(PagemillError):
+    """401: missing or wrong API key."""
+
+
+class NotFoundError(PagemillError):
+    """404: unknown route."""
+
+
+_BY_TYPE = {
+    "validation": ValidationError,
+    "invalid_json": ValidationError,
+    "payload_too_large": ValidationError,
+    "overloaded": OverloadedError,
+    "generation": GenerationError,
+    "unhealthy": UnhealthyError,
+    "unauthorized": AuthenticationError,
+    "not_found": NotFoundError,
+}
+_BY_STATUS = {401: AuthenticationError, 404: NotFoundError, 413: ValidationError, 422: ValidationError,
+              424: GenerationError, 429: OverloadedError, 503: UnhealthyError}
+
+
+def from_body(body: object, status: int | None) -> PagemillError:
+    """The exception for an error body `{error, error_type}` (or anything else)."""
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        message, error_type = body["error"], body.get("error_type")
+    else:
+        message, error_type = str(body), None
+    cls = _BY_TYPE.get(error_type or "") or _BY_STATUS.get(status or 0, PagemillError)
+    return cls(message, error_type=error_type, status=status)
