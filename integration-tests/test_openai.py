@@ -211,3 +211,22 @@ def test_openai_client_gets_typed_errors(client, server):
     nowhere = openai.OpenAI(base_url=f"{server.url}/nope", api_key="x", max_retries=0)
     with pytest.raises(openai.NotFoundError):
         nowhere.completions.create(model="x", prompt="hi")
+
+
+@pytest.mark.parametrize("route", ["/", "/tokenize", "/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("raw", [b"{not json", b"[]", b'{"prompt": 5, "messages": 5, "inputs": 5}'])
+def test_malformed_json_on_every_post_route_is_422(server, route, raw):
+    r = httpx.post(server.url + route, content=raw, headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 422, r.text
+    assert r.json()["error_type"] == "invalid_json"
+
+
+def test_too_large_body_is_413(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": "x" * 3_000_000}, timeout=30)
+    assert r.status_code == 413
+    assert r.json()["error_type"] == "payload_too_large"
+
+
+def test_wrong_method_and_unknown_v1_route_are_404_json(server):
+    for r in (httpx.get(f"{server.url}/v1/chat/completions"), httpx.post(f"{server.url}/v1/embeddings", json={})):
+        assert r.status_code == 404 and r.json()["error_type"] == "not_found"
