@@ -26,6 +26,9 @@ pub struct RouterConfig {
     pub validation_workers: usize,
     /// How long SIGTERM waits for in-flight requests before closing.
     pub shutdown_timeout_s: u64,
+    pub prefix_caching: bool,
+    /// Admit the queued request with the longest cached prefix first.
+    pub cache_aware_admission: bool,
 }
 
 impl Default for RouterConfig {
@@ -48,6 +51,8 @@ impl Default for RouterConfig {
             payload_limit: 2_000_000,
             validation_workers: 2,
             shutdown_timeout_s: 30,
+            prefix_caching: true,
+            cache_aware_admission: false,
         }
     }
 }

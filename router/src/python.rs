@@ -13,7 +13,8 @@ use crate::config::RouterConfig;
     max_input_tokens = 1024, max_total_tokens = 2048, max_batch_prefill_tokens = 4096,
     max_batch_total_tokens = None, max_batch_size = 256, max_concurrent_requests = 128,
     max_stop_sequences = 16, max_top_n_tokens = 5, default_max_new_tokens = 100,
-    payload_limit = 2_000_000, shutdown_timeout_s = 30, log_level = "info".to_string()
+    payload_limit = 2_000_000, shutdown_timeout_s = 30, log_level = "info".to_string(),
+    prefix_caching = true, cache_aware_admission = false
 ))]
 #[allow(clippy::too_many_arguments)]
 fn serve(
@@ -35,6 +36,8 @@ fn serve(
     payload_limit: usize,
     shutdown_timeout_s: u64,
     log_level: String,
+    prefix_caching: bool,
+    cache_aware_admission: bool,
 ) -> PyResult<()> {
     let config = RouterConfig {
         hostname,
@@ -53,6 +56,8 @@ fn serve(
         default_max_new_tokens,
         payload_limit,
         shutdown_timeout_s,
+        prefix_caching,
+        cache_aware_admission,
         ..RouterConfig::default()
     };
     let _ = tracing_subscriber::fmt()

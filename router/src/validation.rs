@@ -29,6 +29,7 @@ pub struct ValidRequest {
     pub top_n_tokens: u32,
     pub decoder_input_details: bool,
     pub seed: Option<u64>,
+    pub grammar: Option<pb::Grammar>,
 }
 
 #[derive(Clone)]
@@ -149,6 +150,7 @@ impl Validation {
             top_n_tokens,
             decoder_input_details: p.decoder_input_details,
             seed: p.seed,
+            grammar: None,
         })
     }
 

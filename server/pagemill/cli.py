@@ -48,6 +48,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payload-limit", type=parse_bytes, default="2MB")
     p.add_argument("--shutdown-timeout", type=int, default=30, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--cache-aware-admission", action="store_true",
+                   help="admit the queued request with the longest cached prefix first (SGLang's LPM)")
 
 
 def router_argv(a: argparse.Namespace) -> list[str]:
@@ -57,7 +61,10 @@ def router_argv(a: argparse.Namespace) -> list[str]:
     argv: list[str] = []
     for action in probe._actions:
         value = getattr(a, action.dest)
-        if value is not None:
+        if action.nargs == 0:  # on/off flags: pass the flag only when it differs from its default
+            if value != action.default:
+                argv.append(action.option_strings[0])
+        elif value is not None:
             argv += [action.option_strings[0], str(value)]
     return argv
 
@@ -114,6 +121,7 @@ def router_kwargs(a: argparse.Namespace) -> dict:
         max_concurrent_requests=a.max_concurrent_requests, max_stop_sequences=a.max_stop_sequences,
         max_top_n_tokens=a.max_top_n_tokens, default_max_new_tokens=a.default_max_new_tokens,
         payload_limit=a.payload_limit, shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level,
+        prefix_caching=a.prefix_caching, cache_aware_admission=a.cache_aware_admission,
     )
 
 

@@ -38,6 +38,11 @@ pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
     let free = RouterState::get(&st.kv_blocks_free);
     let mut v = serde_json::to_value(&*app.info).unwrap_or_default();
     let live = json!({
+        "kv_blocks_cached": RouterState::get(&st.kv_blocks_cached),
+        "kv_utilization": RouterState::get(&st.kv_utilization_ppm) as f64 / 1e6,
+        "prefix_hit_tokens_total": RouterState::get(&st.prefix_hit_tokens_total),
+        "prefill_tokens_total": RouterState::get(&st.prefill_tokens_total),
+        "preemptions_total": RouterState::get(&st.preemptions_total),
         "kv_blocks_total": total,
         "kv_blocks_free": free,
         "kv_blocks_used": total - free,
@@ -54,7 +59,7 @@ pub async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
     let st = &app.state;
     let total = RouterState::get(&st.kv_blocks_total);
     let free = RouterState::get(&st.kv_blocks_free);
-    let rows: [(&str, &str, &str, u64); 12] = [
+    let rows: [(&str, &str, &str, u64); 15] = [
         ("pagemill_queue_size", "gauge", "Requests waiting for admission", RouterState::get(&st.queue_size)),
         ("pagemill_batch_size", "gauge", "Sequences in the running batch", RouterState::get(&st.batch_size)),
         ("pagemill_kv_blocks_total", "gauge", "KV blocks the router can hand out", total),
@@ -65,6 +70,9 @@ pub async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
         ("pagemill_prefill_tokens_total", "counter", "Prompt tokens computed", RouterState::get(&st.prefill_tokens_total)),
         ("pagemill_generated_tokens_total", "counter", "Tokens generated", RouterState::get(&st.generated_tokens_total)),
         ("pagemill_decode_steps_total", "counter", "Decode steps run", RouterState::get(&st.decode_steps_total)),
+        ("pagemill_kv_blocks_cached", "gauge", "KV blocks indexed by the prefix cache", RouterState::get(&st.kv_blocks_cached)),
+        ("pagemill_prefix_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache", RouterState::get(&st.prefix_hit_tokens_total)),
+        ("pagemill_preemptions_total", "counter", "Sequences preempted when the KV pool ran out", RouterState::get(&st.preemptions_total)),
         ("pagemill_decode_forward_seconds_total", "counter", "Shard-reported forward time of decode steps", 0),
         ("pagemill_decode_step_seconds_total", "counter", "Router-measured time of decode steps", 0),
     ];
