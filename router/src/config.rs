@@ -29,6 +29,10 @@ pub struct RouterConfig {
     pub prefix_caching: bool,
     /// Admit the queued request with the longest cached prefix first.
     pub cache_aware_admission: bool,
+    /// When set, generation routes require `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Largest `n` (OpenAI) / `best_of` (TGI) of one request.
+    pub max_best_of: u32,
 }
 
 impl Default for RouterConfig {
@@ -53,6 +57,8 @@ impl Default for RouterConfig {
             shutdown_timeout_s: 30,
             prefix_caching: true,
             cache_aware_admission: false,
+            api_key: None,
+            max_best_of: 4,
         }
     }
 }
@@ -73,6 +79,12 @@ impl RouterConfig {
                 "max_batch_prefill_tokens ({}) must be >= max_input_tokens ({})",
                 self.max_batch_prefill_tokens, self.max_input_tokens
             ));
+        }
+        if self.max_best_of == 0 {
+            return Err("max_best_of must be positive".into());
+        }
+        if self.api_key.as_deref() == Some("") {
+            return Err("api_key must not be empty (leave it unset to disable authentication)".into());
         }
         if self.max_batch_size == 0 || self.max_concurrent_requests == 0 {
             return Err("max_batch_size and max_concurrent_requests must be positive".into());

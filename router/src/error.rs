@@ -30,7 +30,10 @@ pub enum RouterError {
     Unauthorized(String),
 }
 
-#[derive(Serialize)]
+/// Every error response: `{"error": "...", "error_type": "validation"}`.
+/// The HTTP status is what the official `openai` client maps to its
+/// exception classes (422 UnprocessableEntityError, 429 RateLimitError, ...).
+#[derive(Serialize, utoipa::ToSchema)]
 pub struct ErrorBody {
     pub error: String,
     pub error_type: String,

@@ -1,5 +1,6 @@
 //! The HTTP side's door to the scheduler: validates, enforces the
-//! concurrency limit, enqueues, and hands back the response stream.
+//! concurrency limit, enqueues (one entry, or `n` grouped entries for
+//! `n`/`best_of`), and hands back response streams that record latency.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -23,6 +24,22 @@ pub struct Infer {
     state: Arc<RouterState>,
 }
 
+/// What to generate from: the prompt text and the TGI parameters every
+/// route is translated into.
+#[derive(Debug, Clone)]
+pub struct GenerateInput {
+    pub inputs: String,
+    pub parameters: GenerateParameters,
+    /// False for rendered chat prompts (the template wrote the BOS).
+    pub add_special_tokens: bool,
+}
+
+impl GenerateInput {
+    pub fn new(inputs: String, parameters: GenerateParameters) -> Self {
+        Self { inputs, parameters, add_special_tokens: true }
+    }
+}
+
 /// A whole generation, collected from the stream.
 #[derive(Debug)]
 pub struct InferResponse {
@@ -31,15 +48,100 @@ pub struct InferResponse {
     pub tokens: Vec<Token>,
     pub top_tokens: Vec<Vec<Token>>,
     pub generated_text: GeneratedText,
+    /// Request arrival (before validation).
+    pub start: Instant,
+    /// Validated and enqueued.
     pub queued_at: Instant,
+    /// Admitted into a prefill.
     pub started_at: Instant,
 }
 
+impl InferResponse {
+    /// Sum of the generated tokens' logprobs: how `best_of` ranks candidates.
+    pub fn cumulative_logprob(&self) -> f64 {
+        self.tokens.iter().map(|t| t.logprob as f64).filter(|x| x.is_finite()).sum()
+    }
+}
+
 pub struct StreamHandle {
-    /// Held while the stream is alive: the request counts against the limit.
-    pub permit: OwnedSemaphorePermit,
+    /// Held while any stream of the request is alive: the request counts
+    /// once against the concurrency limit, whatever its `n`.
+    pub permit: Arc<OwnedSemaphorePermit>,
     pub request: ValidRequest,
     pub rx: ResponseRx,
+    pub start: Instant,
+    pub queued_at: Instant,
+    last_token: Option<Instant>,
+    state: Arc<RouterState>,
+}
+
+impl StreamHandle {
+    /// The next message of the stream, with TTFT / inter-token / end-to-end
+    /// latency recorded as the client will see it.
+    pub async fn next(&mut self) -> Option<Result<InferStreamResponse, RouterError>> {
+        let msg = self.rx.recv().await?;
+        let now = Instant::now();
+        let m = &self.state.metrics;
+        if let Ok(InferStreamResponse::Token { .. } | InferStreamResponse::End { .. }) = &msg {
+            match self.last_token {
+                None => m.time_to_first_token.observe((now - self.start).as_secs_f64()),
+                Some(t) => m.inter_token_latency.observe((now - t).as_secs_f64()),
+            }
+            self.last_token = Some(now);
+        }
+        if let Ok(InferStreamResponse::End { generated_text, queued_at, started_at, .. }) = &msg {
+            m.request_duration.observe((now - self.start).as_secs_f64());
+            m.queue_time.observe(started_at.saturating_duration_since(*queued_at).as_secs_f64());
+            m.request_generated_tokens.observe(generated_text.generated_tokens as f64);
+        }
+        Some(msg)
+    }
+
+    pub async fn collect(mut self) -> Result<InferResponse, RouterError> {
+        let mut prefill = Vec::new();
+        let mut tokens = Vec::new();
+        let mut top = Vec::new();
+        while let Some(msg) = self.next().await {
+            match msg? {
+                InferStreamResponse::Prefill(p) => prefill = p,
+                InferStreamResponse::Token { token, top_tokens } => {
+                    tokens.push(token);
+                    top.push(top_tokens);
+                }
+                InferStreamResponse::End { token, top_tokens, generated_text, queued_at, started_at } => {
+                    tokens.push(token);
+                    top.push(top_tokens);
+                    if top.iter().all(|t| t.is_empty()) {
+                        top.clear();
+                    }
+                    return Ok(InferResponse {
+                        input_length: self.request.input_ids.len() as u32,
+                        prefill,
+                        tokens,
+                        top_tokens: top,
+                        generated_text,
+                        start: self.start,
+                        queued_at,
+                        started_at,
+                    });
+                }
+            }
+        }
+        Err(RouterError::Generation("the request ended without a final token".into()))
+    }
+}
+
+/// Seed of the `i`-th sequence of a fanned-out request: the request's own
+/// seed for the first (so `n=1` and choice 0 agree), then a splitmix64 mix,
+/// which keeps them distinct and reproducible.
+pub fn fork_seed(seed: u64, i: u32) -> u64 {
+    if i == 0 {
+        return seed;
+    }
+    let mut z = seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 impl Infer {
@@ -63,66 +165,100 @@ impl Infer {
         &self.validation
     }
 
-    pub async fn generate_stream(&self, inputs: String, params: GenerateParameters) -> Result<StreamHandle, RouterError> {
-        // Fail fast past the limit rather than queue without bound.
-        let permit = self.limit.clone().try_acquire_owned().map_err(|_| {
-            RouterError::Overloaded(format!(
-                "more than {} concurrent requests",
-                self.max_concurrent_requests
-            ))
-        })?;
-        let request = self.validation.validate(inputs, params).await?;
-        let (tx, rx) = mpsc::unbounded_channel();
-        let entry = Entry {
-            id: self.next_id.fetch_add(1, Ordering::Relaxed),
-            request: request.clone(),
-            response_tx: tx,
-            queued_at: Instant::now(),
-            group: None,
-        };
-        RouterState::add(&self.state.requests_total, 1);
-        self.queue_tx
-            .send(entry)
-            .map_err(|_| RouterError::Unhealthy("the scheduler has stopped".into()))?;
-        Ok(StreamHandle { permit, request, rx })
+    pub async fn generate_stream(&self, input: GenerateInput) -> Result<StreamHandle, RouterError> {
+        let mut handles = self.generate_streams(input, 1, "n").await?;
+        Ok(handles.remove(0))
     }
 
-    pub async fn generate(&self, inputs: String, params: GenerateParameters) -> Result<InferResponse, RouterError> {
-        let mut handle = self.generate_stream(inputs, params).await?;
-        let mut prefill = Vec::new();
-        let mut tokens = Vec::new();
-        let mut top = Vec::new();
-        while let Some(msg) = handle.rx.recv().await {
-            match msg? {
-                InferStreamResponse::Prefill(p) => prefill = p,
-                InferStreamResponse::Token { token, top_tokens } => {
-                    tokens.push(token);
-                    top.push(top_tokens);
-                }
-                InferStreamResponse::End {
-                    token,
-                    top_tokens,
-                    generated_text,
-                    queued_at,
-                    started_at,
-                } => {
-                    tokens.push(token);
-                    top.push(top_tokens);
-                    if top.iter().all(|t| t.is_empty()) {
-                        top.clear();
-                    }
-                    return Ok(InferResponse {
-                        input_length: handle.request.input_ids.len() as u32,
-                        prefill,
-                        tokens,
-                        top_tokens: top,
-                        generated_text,
-                        queued_at,
-                        started_at,
-                    });
+    /// Submits `n` sequences of one prompt: distinct seeds, one shared
+    /// `Entry.group` so the scheduler can share their prompt's KV blocks.
+    /// `name` is the client's parameter (`n` or `best_of`) for error messages.
+    pub async fn generate_streams(
+        &self,
+        input: GenerateInput,
+        n: u32,
+        name: &str,
+    ) -> Result<Vec<StreamHandle>, RouterError> {
+        let start = Instant::now();
+        // Fail fast past the limit rather than queue without bound.
+        let permit = self.limit.clone().try_acquire_owned().map_err(|_| {
+            RouterError::Overloaded(format!("more than {} concurrent requests", self.max_concurrent_requests))
+        })?;
+        let permit = Arc::new(permit);
+        self.validation.check_fanout(name, n)?;
+        let request = self
+            .validation
+            .validate(input.inputs, input.parameters, input.add_special_tokens)
+            .await?;
+        if n > 1 && !request.parameters.do_sample {
+            // Greedy sequences would all be the same (TGI and vLLM reject this too).
+            return Err(RouterError::Validation(format!(
+                "`{name}` > 1 requires sampling: set a temperature > 0 (or `do_sample`)"
+            )));
+        }
+        let first_id = self.next_id.fetch_add(n as u64, Ordering::Relaxed);
+        let group = (n > 1).then_some(first_id);
+        let queued_at = Instant::now();
+        let mut handles = Vec::with_capacity(n as usize);
+        for i in 0..n {
+            let mut request = request.clone();
+            if n > 1 {
+                if let Some(seed) = request.seed {
+                    let s = fork_seed(seed, i);
+                    request.seed = Some(s);
+                    request.parameters.seed = s;
+                    request.parameters.has_seed = true;
                 }
             }
+            let (tx, rx) = mpsc::unbounded_channel();
+            let entry = Entry {
+                id: first_id + i as u64,
+                request: request.clone(),
+                response_tx: tx,
+                queued_at,
+                group,
+            };
+            self.queue_tx
+                .send(entry)
+                .map_err(|_| RouterError::Unhealthy("the scheduler has stopped".into()))?;
+            handles.push(StreamHandle {
+                permit: permit.clone(),
+                request,
+                rx,
+                start,
+                queued_at,
+                last_token: None,
+                state: self.state.clone(),
+            });
         }
-        Err(RouterError::Generation("the request ended without a final token".into()))
+        RouterState::add(&self.state.requests_total, 1);
+        let input_len = request.input_ids.len() as u64;
+        RouterState::add(&self.state.metrics.prompt_tokens_total, input_len);
+        self.state.metrics.request_input_tokens.observe(input_len as f64);
+        Ok(handles)
+    }
+
+    pub async fn generate(&self, input: GenerateInput) -> Result<InferResponse, RouterError> {
+        self.generate_stream(input).await?.collect().await
+    }
+
+    /// All `n` sequences, in submission order.
+    pub async fn generate_n(&self, input: GenerateInput, n: u32, name: &str) -> Result<Vec<InferResponse>, RouterError> {
+        let handles = self.generate_streams(input, n, name).await?;
+        futures::future::try_join_all(handles.into_iter().map(StreamHandle::collect)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::fork_seed;
+
+    #[test]
+    fn fork_seeds_are_stable_and_distinct() {
+        assert_eq!(fork_seed(42, 0), 42);
+        let seeds: std::collections::HashSet<u64> = (0..64).map(|i| fork_seed(42, i)).collect();
+        assert_eq!(seeds.len(), 64);
+        assert_eq!(fork_seed(42, 3), fork_seed(42, 3));
+        assert_ne!(fork_seed(42, 1), fork_seed(43, 1));
     }
 }

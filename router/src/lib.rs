@@ -1,13 +1,16 @@
 //! pagemill router: HTTP/SSE API, validation, continuous batching, paged KV
 //! accounting and the gRPC client to the model shards.
 
+pub mod chat_template;
 pub mod client;
 pub mod config;
 pub mod detokenize;
 pub mod error;
+pub mod grammar;
 pub mod http;
 pub mod infer;
 pub mod kv;
+pub mod metrics;
 pub mod proto;
 pub mod queue;
 pub mod scheduler;
@@ -116,6 +119,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         max_stop_sequences: config.max_stop_sequences,
         max_top_n_tokens: config.max_top_n_tokens,
         default_max_new_tokens: config.default_max_new_tokens,
+        max_best_of: config.max_best_of,
     };
     let infer = Infer::new(
         Validation::new(tokenizer, limits),
@@ -123,8 +127,15 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         config.max_concurrent_requests,
         state.clone(),
     );
+    let chat_template = chat_template::ChatTemplate::load(&config.tokenizer_dir);
+    if let Err(e) = &chat_template {
+        // Not fatal: TGI routes work without it; chat requests get this as a 422.
+        tracing::warn!("chat completions unavailable: {e}");
+    }
     let info = ServerInfo {
         model_id: if config.model_id.is_empty() { shard_info.model_id.clone() } else { config.model_id.clone() },
+        model_sha: None,
+        model_pipeline_tag: "text-generation".to_string(),
         model_dtype: shard_info.dtype.clone(),
         model_device_type: shard_info.device_type.clone(),
         attention_backend: shard_info.attention_backend.clone(),
@@ -135,6 +146,13 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         max_batch_total_tokens,
         max_batch_size: config.max_batch_size,
         max_concurrent_requests: config.max_concurrent_requests,
+        max_best_of: config.max_best_of,
+        max_client_batch_size: 1,
+        validation_workers: config.validation_workers as u32,
+        api_key_required: config.api_key.is_some(),
+        has_chat_template: chat_template.is_ok(),
+        sha: None,
+        docker_label: std::env::var("PAGEMILL_DOCKER_LABEL").ok(),
         max_stop_sequences: config.max_stop_sequences,
         max_top_n_tokens: config.max_top_n_tokens,
         block_size: warmup.block_size,
@@ -146,6 +164,9 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         info: Arc::new(info),
         state,
         client,
+        chat_template: Arc::new(chat_template),
+        api_key: config.api_key.as_deref().map(Arc::from),
+        started_unix: http::openai::unix_now(),
     };
     let routes = http::router(app, config.payload_limit);
     let addr = format!("{}:{}", config.hostname, config.port);

@@ -23,6 +23,8 @@ pub struct RouterState {
     pub preemptions_total: AtomicU64,
     /// KV utilization of running sequences, parts per million.
     pub kv_utilization_ppm: AtomicU64,
+    /// Latency histograms and per-route counters, written by the HTTP side.
+    pub metrics: crate::metrics::Metrics,
 }
 
 impl RouterState {

@@ -16,6 +16,8 @@ pub struct Limits {
     pub max_stop_sequences: u32,
     pub max_top_n_tokens: u32,
     pub default_max_new_tokens: u32,
+    /// Largest `n` / `best_of`.
+    pub max_best_of: u32,
 }
 
 #[derive(Debug, Clone)]
@@ -29,6 +31,7 @@ pub struct ValidRequest {
     pub top_n_tokens: u32,
     pub decoder_input_details: bool,
     pub seed: Option<u64>,
+    /// Constrained decoding, checked here (schema is an object, regex compiles).
     pub grammar: Option<pb::Grammar>,
 }
 
@@ -63,24 +66,35 @@ impl Validation {
     }
 
     /// Tokenizes on the blocking pool so long prompts never stall the HTTP workers.
-    pub async fn tokenize(&self, text: String) -> Result<Vec<u32>, RouterError> {
+    pub async fn encode(&self, text: String, add_special_tokens: bool) -> Result<tokenizers::Encoding, RouterError> {
         let tokenizer = self.tokenizer.clone();
         tokio::task::spawn_blocking(move || {
             tokenizer
-                .encode(text, true)
-                .map(|e| e.get_ids().to_vec())
+                .encode(text, add_special_tokens)
                 .map_err(|e| invalid(format!("tokenization failed: {e}")))
         })
         .await
         .map_err(|e| invalid(format!("tokenization task failed: {e}")))?
     }
 
-    pub async fn validate(&self, inputs: String, p: GenerateParameters) -> Result<ValidRequest, RouterError> {
+    pub async fn tokenize(&self, text: String, add_special_tokens: bool) -> Result<Vec<u32>, RouterError> {
+        Ok(self.encode(text, add_special_tokens).await?.get_ids().to_vec())
+    }
+
+    /// `add_special_tokens` is false for rendered chat prompts: the template
+    /// already wrote the BOS (as in TGI), a second one would change the output.
+    pub async fn validate(
+        &self,
+        inputs: String,
+        p: GenerateParameters,
+        add_special_tokens: bool,
+    ) -> Result<ValidRequest, RouterError> {
         let params = self.check_parameters(&p)?;
+        let grammar = p.grammar.as_ref().map(crate::grammar::validate).transpose()?;
         if inputs.is_empty() {
             return Err(invalid("`inputs` must not be empty"));
         }
-        let mut input_ids = self.tokenize(inputs.clone()).await?;
+        let mut input_ids = self.tokenize(inputs.clone(), add_special_tokens).await?;
         if input_ids.is_empty() {
             return Err(invalid("`inputs` tokenized to zero tokens"));
         }
@@ -150,18 +164,27 @@ impl Validation {
             top_n_tokens,
             decoder_input_details: p.decoder_input_details,
             seed: p.seed,
-            grammar: None,
+            grammar,
         })
+    }
+
+    /// `n` / `best_of`: how many sequences one request fans out into.
+    pub fn check_fanout(&self, name: &str, n: u32) -> Result<(), RouterError> {
+        if n == 0 {
+            return Err(invalid(format!("`{name}` must be strictly positive")));
+        }
+        if n > self.limits.max_best_of {
+            return Err(invalid(format!(
+                "`{name}` must be <= {}. Given: {n}",
+                self.limits.max_best_of
+            )));
+        }
+        Ok(())
     }
 
     fn check_parameters(&self, p: &GenerateParameters) -> Result<pb::NextTokenChooserParameters, RouterError> {
         if let Some(b) = p.best_of {
-            if b == 0 {
-                return Err(invalid("`best_of` must be strictly positive"));
-            }
-            if b > 1 {
-                return Err(invalid("`best_of` > 1 is not supported yet"));
-            }
+            self.check_fanout("best_of", b)?;
         }
         check_float("temperature", p.temperature, |x| x > 0.0, "strictly positive")?;
         check_float("repetition_penalty", p.repetition_penalty, |x| x > 0.0, "strictly positive")?;

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pagemill.config import ShardConfig
@@ -45,6 +46,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-stop-sequences", type=int, default=16)
     p.add_argument("--max-top-n-tokens", type=int, default=5)
     p.add_argument("--default-max-new-tokens", type=int, default=100)
+    p.add_argument("--max-best-of", type=int, default=4, help="largest `n` (OpenAI) / `best_of` (TGI) of one request")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer <key>` on generation routes "
+                        f"(default: ${API_KEY_ENV} if set)")
     p.add_argument("--payload-limit", type=parse_bytes, default="2MB")
     p.add_argument("--shutdown-timeout", type=int, default=30, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="info")
@@ -54,12 +59,24 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="admit the queued request with the longest cached prefix first (SGLang's LPM)")
 
 
+# The launcher hands the API key to the router in the environment, not in
+# argv, where any local user could read it with `ps`.
+API_KEY_ENV = "PAGEMILL_API_KEY"
+
+
+def api_key(a: argparse.Namespace) -> str | None:
+    return a.api_key if a.api_key is not None else os.environ.get(API_KEY_ENV) or None
+
+
 def router_argv(a: argparse.Namespace) -> list[str]:
-    """The router options of `a`, as command-line flags for `pagemill router`."""
+    """The router options of `a`, as command-line flags for `pagemill router`
+    (all but the API key: see API_KEY_ENV)."""
     probe = argparse.ArgumentParser(add_help=False)
     _add_router_args(probe)
     argv: list[str] = []
     for action in probe._actions:
+        if action.dest == "api_key":
+            continue
         value = getattr(a, action.dest)
         if action.nargs == 0:  # on/off flags: pass the flag only when it differs from its default
             if value != action.default:
@@ -122,6 +139,7 @@ def router_kwargs(a: argparse.Namespace) -> dict:
         max_top_n_tokens=a.max_top_n_tokens, default_max_new_tokens=a.default_max_new_tokens,
         payload_limit=a.payload_limit, shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level,
         prefix_caching=a.prefix_caching, cache_aware_admission=a.cache_aware_admission,
+        max_best_of=a.max_best_of, api_key=api_key(a),
     )
 
 

@@ -18,7 +18,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pagemill.cli import router_argv
+from pagemill.cli import API_KEY_ENV, api_key, router_argv
 
 _PR_SET_PDEATHSIG = 1
 
@@ -150,7 +150,11 @@ class Launcher:
         for s in socks:
             argv += ["--shard-uds-path", s]
         argv += router_argv(a)
-        self.children.append(_spawn("router", argv, env))
+        router_env = dict(env)
+        key = api_key(a)
+        if key:
+            router_env[API_KEY_ENV] = key
+        self.children.append(_spawn("router", argv, router_env))
         dead = self._wait("warming up and starting the router", lambda: _router_healthy(a.hostname, a.port))
         if dead is not None:
             return self._fail(dead)

@@ -9,10 +9,13 @@ use axum::response::IntoResponse;
 use axum::Json;
 use serde_json::json;
 
-use super::AppState;
-use crate::error::RouterError;
+use super::{AppState, ServerInfo};
+use crate::error::{ErrorBody, RouterError};
 use crate::state::RouterState;
 
+/// 200 when every shard answers, 503 otherwise.
+#[utoipa::path(get, path = "/health", tag = "Ops",
+    responses((status = 200, description = "Shards answer"), (status = 503, description = "Unhealthy", body = ErrorBody)))]
 pub async fn health(State(app): State<AppState>) -> Result<Json<serde_json::Value>, RouterError> {
     let mut client = app.client.clone();
     // A shard busy with a long forward still answers Health from its event loop.
@@ -32,6 +35,8 @@ pub async fn health(State(app): State<AppState>) -> Result<Json<serde_json::Valu
     }
 }
 
+/// Model, limits, and live KV / queue / batch numbers.
+#[utoipa::path(get, path = "/info", tag = "Ops", responses((status = 200, description = "Server info", body = ServerInfo)))]
 pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
     let st = &app.state;
     let total = RouterState::get(&st.kv_blocks_total);
@@ -45,7 +50,7 @@ pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
         "preemptions_total": RouterState::get(&st.preemptions_total),
         "kv_blocks_total": total,
         "kv_blocks_free": free,
-        "kv_blocks_used": total - free,
+        "kv_blocks_used": total.saturating_sub(free),
         "queue_size": RouterState::get(&st.queue_size),
         "batch_size": RouterState::get(&st.batch_size),
     });
@@ -55,36 +60,9 @@ pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
     Json(v)
 }
 
+/// Prometheus text format, `pagemill_*` names.
+#[utoipa::path(get, path = "/metrics", tag = "Ops",
+    responses((status = 200, description = "Prometheus metrics", body = String, content_type = "text/plain")))]
 pub async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
-    let st = &app.state;
-    let total = RouterState::get(&st.kv_blocks_total);
-    let free = RouterState::get(&st.kv_blocks_free);
-    let rows: [(&str, &str, &str, u64); 15] = [
-        ("pagemill_queue_size", "gauge", "Requests waiting for admission", RouterState::get(&st.queue_size)),
-        ("pagemill_batch_size", "gauge", "Sequences in the running batch", RouterState::get(&st.batch_size)),
-        ("pagemill_kv_blocks_total", "gauge", "KV blocks the router can hand out", total),
-        ("pagemill_kv_blocks_free", "gauge", "KV blocks free", free),
-        ("pagemill_kv_blocks_used", "gauge", "KV blocks held by sequences", total - free),
-        ("pagemill_requests_total", "counter", "Requests accepted", RouterState::get(&st.requests_total)),
-        ("pagemill_requests_failed_total", "counter", "Requests ended by a shard failure", RouterState::get(&st.requests_failed)),
-        ("pagemill_prefill_tokens_total", "counter", "Prompt tokens computed", RouterState::get(&st.prefill_tokens_total)),
-        ("pagemill_generated_tokens_total", "counter", "Tokens generated", RouterState::get(&st.generated_tokens_total)),
-        ("pagemill_decode_steps_total", "counter", "Decode steps run", RouterState::get(&st.decode_steps_total)),
-        ("pagemill_kv_blocks_cached", "gauge", "KV blocks indexed by the prefix cache", RouterState::get(&st.kv_blocks_cached)),
-        ("pagemill_prefix_hit_tokens_total", "counter", "Prompt tokens served from the prefix cache", RouterState::get(&st.prefix_hit_tokens_total)),
-        ("pagemill_preemptions_total", "counter", "Sequences preempted when the KV pool ran out", RouterState::get(&st.preemptions_total)),
-        ("pagemill_decode_forward_seconds_total", "counter", "Shard-reported forward time of decode steps", 0),
-        ("pagemill_decode_step_seconds_total", "counter", "Router-measured time of decode steps", 0),
-    ];
-    let mut out = String::new();
-    for (name, kind, help, value) in rows {
-        out.push_str(&format!("# HELP {name} {help}\n# TYPE {name} {kind}\n"));
-        let value = match name {
-            "pagemill_decode_forward_seconds_total" => RouterState::get(&st.decode_forward_ns_total) as f64 / 1e9,
-            "pagemill_decode_step_seconds_total" => RouterState::get(&st.decode_step_ns_total) as f64 / 1e9,
-            _ => value as f64,
-        };
-        out.push_str(&format!("{name} {value}\n"));
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out)
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&app.state))
 }

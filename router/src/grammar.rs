@@ -1,0 +1,135 @@
+//! Constrained decoding requests, validated here into the proto's `Grammar`;
+//! the shard compiles and applies them. TGI's `grammar` parameter and
+//! OpenAI's `response_format` both end up as one of these.
+
+use serde::Deserialize;
+use utoipa::ToSchema;
+
+use crate::error::RouterError;
+use crate::proto::pb;
+
+/// TGI's `grammar`: `{"type": "json", "value": <JSON schema>}` or
+/// `{"type": "regex", "value": "<regex>"}`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(tag = "type", content = "value", rename_all = "snake_case")]
+pub enum GrammarParam {
+    /// A JSON schema (an object, or a string holding one); `{}` means any JSON value.
+    Json(serde_json::Value),
+    /// A regular expression the whole output must match.
+    Regex(String),
+}
+
+/// OpenAI's `response_format`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub enum ResponseFormat {
+    Text,
+    JsonObject,
+    JsonSchema { json_schema: JsonSchemaFormat },
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+pub struct JsonSchemaFormat {
+    pub name: Option<String>,
+    pub description: Option<String>,
+    pub schema: Option<serde_json::Value>,
+    pub strict: Option<bool>,
+}
+
+impl ResponseFormat {
+    pub fn to_grammar(&self) -> Option<GrammarParam> {
+        match self {
+            ResponseFormat::Text => None,
+            ResponseFormat::JsonObject => Some(GrammarParam::Json(serde_json::json!({}))),
+            ResponseFormat::JsonSchema { json_schema } => Some(GrammarParam::Json(
+                json_schema.schema.clone().unwrap_or(serde_json::Value::Null),
+            )),
+        }
+    }
+}
+
+/// Regexes are compiled here only to reject bad ones early (422 rather than a
+/// failure on the shard); the size limit keeps a hostile pattern from costing
+/// the router much.
+const REGEX_SIZE_LIMIT: usize = 1 << 20;
+
+pub fn validate(g: &GrammarParam) -> Result<pb::Grammar, RouterError> {
+    let invalid = |m: String| RouterError::Validation(m);
+    match g {
+        GrammarParam::Json(v) => {
+            let schema = match v {
+                serde_json::Value::String(s) => serde_json::from_str::<serde_json::Value>(s)
+                    .map_err(|e| invalid(format!("`grammar` JSON schema is not valid JSON: {e}")))?,
+                other => other.clone(),
+            };
+            let Some(obj) = schema.as_object() else {
+                return Err(invalid("`grammar` JSON schema must be a JSON object".into()));
+            };
+            // "" is the proto's "any JSON value" (OpenAI json_object).
+            let value = if obj.is_empty() { String::new() } else { schema.to_string() };
+            Ok(pb::Grammar { r#type: pb::GrammarType::Json as i32, value })
+        }
+        GrammarParam::Regex(r) => {
+            if r.is_empty() {
+                return Err(invalid("`grammar` regex must not be empty".into()));
+            }
+            regex::RegexBuilder::new(r)
+                .size_limit(REGEX_SIZE_LIMIT)
+                .build()
+                .map_err(|e| invalid(format!("`grammar` regex does not compile: {e}")))?;
+            Ok(pb::Grammar { r#type: pb::GrammarType::Regex as i32, value: r.clone() })
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(v: serde_json::Value) -> GrammarParam {
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn json_schema_object_passes_through() {
+        let g = validate(&parse(serde_json::json!({"type": "json", "value": {"type": "object"}}))).unwrap();
+        assert_eq!(g.r#type, pb::GrammarType::Json as i32);
+        assert_eq!(g.value, r#"{"type":"object"}"#);
+    }
+
+    #[test]
+    fn json_schema_as_string_is_parsed() {
+        let g = validate(&parse(serde_json::json!({"type": "json", "value": "{\"type\": \"string\"}"}))).unwrap();
+        assert_eq!(g.value, r#"{"type":"string"}"#);
+    }
+
+    #[test]
+    fn non_object_schemas_are_rejected() {
+        for v in [serde_json::json!(5), serde_json::json!([1]), serde_json::json!("nope"), serde_json::json!(null)] {
+            let err = validate(&GrammarParam::Json(v)).unwrap_err();
+            assert_eq!(err.error_type(), "validation");
+        }
+    }
+
+    #[test]
+    fn regex_must_compile() {
+        assert!(validate(&GrammarParam::Regex(r"\d{3}-[a-z]+".into())).is_ok());
+        assert!(validate(&GrammarParam::Regex("(unclosed".into())).is_err());
+        assert!(validate(&GrammarParam::Regex(String::new())).is_err());
+    }
+
+    #[test]
+    fn response_formats_map_to_grammars() {
+        let any: ResponseFormat = serde_json::from_value(serde_json::json!({"type": "json_object"})).unwrap();
+        let g = validate(&any.to_grammar().unwrap()).unwrap();
+        assert_eq!((g.r#type, g.value.as_str()), (pb::GrammarType::Json as i32, ""));
+        let text: ResponseFormat = serde_json::from_value(serde_json::json!({"type": "text"})).unwrap();
+        assert!(text.to_grammar().is_none());
+        let schema: ResponseFormat = serde_json::from_value(serde_json::json!(
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}})).unwrap();
+        assert_eq!(validate(&schema.to_grammar().unwrap()).unwrap().value, r#"{"type":"integer"}"#);
+        let missing: ResponseFormat = serde_json::from_value(serde_json::json!(
+            {"type": "json_schema", "json_schema": {"name": "x"}})).unwrap();
+        assert!(validate(&missing.to_grammar().unwrap()).is_err());
+    }
+}

@@ -1,0 +1,115 @@
+//! `POST /v1/completions` (OpenAI's legacy text completions): a prompt or a
+//! list of prompts, `n` choices each; choice `i` of prompt `p` has index `p * n + i`.
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+
+use super::stream::{self, ChoiceEvent, ChoiceMsg};
+use super::types::{CompletionChoice, CompletionRequest, CompletionResponse, Usage};
+use super::{logprobs, ResponseMeta};
+use crate::error::{ErrorBody, RouterError};
+use crate::http::extract::JsonBody;
+use crate::http::{headers, AppState};
+use crate::infer::GenerateInput;
+
+fn invalid(msg: impl Into<String>) -> RouterError {
+    RouterError::Validation(msg.into())
+}
+
+/// Text completion (OpenAI API).
+#[utoipa::path(post, path = "/v1/completions", tag = "OpenAI", request_body = CompletionRequest,
+    responses(
+        (status = 200, description = "The completion, or `text_completion` SSE chunks when `stream`", body = CompletionResponse),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 422, description = "Invalid input", body = ErrorBody),
+        (status = 424, description = "Generation failed", body = ErrorBody),
+        (status = 429, description = "Too many concurrent requests", body = ErrorBody),
+    ))]
+pub async fn completions(
+    State(app): State<AppState>,
+    JsonBody(req): JsonBody<CompletionRequest>,
+) -> Result<Response, RouterError> {
+    let prompts = req.prompt.clone().into_vec();
+    if prompts.is_empty() {
+        return Err(invalid("`prompt` must not be empty"));
+    }
+    let max_top = app.infer.validation().limits().max_top_n_tokens;
+    if let Some(k) = req.logprobs.filter(|&k| k > max_top) {
+        return Err(invalid(format!("`logprobs` must be <= {max_top}. Given: {k}")));
+    }
+    if req.echo && req.sampling.stream {
+        return Err(invalid("`echo` is not supported with `stream`"));
+    }
+    let parameters = req.sampling.to_parameters(req.sampling.max_tokens, req.logprobs)?;
+    let n = req.sampling.n.unwrap_or(1);
+    let meta = ResponseMeta::new(&app, "cmpl");
+    let tokenizer = app.infer.validation().tokenizer().clone();
+    let inputs = |p: &String| GenerateInput::new(p.clone(), parameters.clone());
+
+    if req.sampling.stream {
+        let mut handles = Vec::new();
+        let mut prompt_tokens = 0;
+        for (p, prompt) in prompts.iter().enumerate() {
+            let hs = app.infer.generate_streams(inputs(prompt), n, "n").await?;
+            prompt_tokens += hs.first().map_or(0, |h| h.request.input_ids.len() as u32);
+            handles.extend(hs.into_iter().enumerate().map(|(i, h)| ((p as u32) * n + i as u32, h)));
+        }
+        let want_logprobs = req.logprobs.is_some();
+        let chunk_meta = meta.clone();
+        let chunk = move |msg: &ChoiceMsg| {
+            let (token, top, finish) = match &msg.event {
+                ChoiceEvent::Token { token, top_tokens } => (token, top_tokens, None),
+                ChoiceEvent::End { token, top_tokens, generated } => {
+                    (token, top_tokens, Some(generated.finish_reason.openai().to_string()))
+                }
+            };
+            let text = if token.special { String::new() } else { token.text.clone() };
+            let logprobs = want_logprobs
+                .then(|| logprobs::completion(&tokenizer, std::slice::from_ref(token), std::slice::from_ref(top), 0));
+            serde_json::to_value(response_of(&chunk_meta, vec![CompletionChoice { index: msg.index, text, logprobs, finish_reason: finish }], None)).ok()
+        };
+        let usage = req.sampling.include_usage().then(|| {
+            Box::new(move |u: Usage| serde_json::to_value(response_of(&meta, vec![], Some(u))).unwrap_or_default())
+                as stream::UsageFn
+        });
+        return Ok(stream::sse(handles, prompt_tokens, Box::new(chunk), usage));
+    }
+
+    let per_prompt = futures::future::try_join_all(prompts.iter().map(|p| app.infer.generate_n(inputs(p), n, "n"))).await?;
+    let prompt_tokens = per_prompt.iter().filter_map(|rs| rs.first()).map(|r| r.input_length).sum();
+    let completion_tokens = per_prompt.iter().flatten().map(|r| r.generated_text.generated_tokens).sum();
+    let headers = per_prompt
+        .first()
+        .and_then(|rs| rs.first())
+        .map(|r| headers::timing(r, &app.info.model_device_type, completion_tokens))
+        .unwrap_or_default();
+    let mut choices = Vec::new();
+    for (p, responses) in per_prompt.iter().enumerate() {
+        for (i, r) in responses.iter().enumerate() {
+            let echo = if req.echo { prompts[p].as_str() } else { "" };
+            choices.push(CompletionChoice {
+                index: (p as u32) * n + i as u32,
+                text: format!("{echo}{}", r.generated_text.text),
+                logprobs: req
+                    .logprobs
+                    .map(|_| logprobs::completion(&tokenizer, &r.tokens, &r.top_tokens, echo.chars().count())),
+                finish_reason: Some(r.generated_text.finish_reason.openai().to_string()),
+            });
+        }
+    }
+    let body = response_of(&meta, choices, Some(Usage::new(prompt_tokens, completion_tokens)));
+    Ok((headers, Json(body)).into_response())
+}
+
+fn response_of(meta: &ResponseMeta, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> CompletionResponse {
+    CompletionResponse {
+        id: meta.id.clone(),
+        object: "text_completion".into(),
+        created: meta.created,
+        model: meta.model.clone(),
+        system_fingerprint: meta.system_fingerprint.clone(),
+        choices,
+        usage,
+    }
+}

@@ -1,0 +1,141 @@
+//! OpenAI-compatible routes. Each request is translated into the TGI
+//! parameters the rest of the router speaks, so validation, limits and
+//! errors are the same on every route.
+
+pub mod chat;
+pub mod completions;
+mod logprobs;
+mod stream;
+pub mod types;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::extract::State;
+use axum::Json;
+
+use super::types::GenerateParameters;
+use super::AppState;
+use crate::error::{ErrorBody, RouterError};
+use types::{ModelCard, ModelList, SamplingParams};
+
+/// What every response and chunk of one request repeats.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    pub id: String,
+    pub created: u64,
+    pub model: String,
+    pub system_fingerprint: String,
+}
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+
+impl ResponseMeta {
+    pub fn new(app: &AppState, prefix: &str) -> Self {
+        let created = unix_now();
+        // Unique per process and readable; not a secret.
+        let id = format!("{prefix}-{created:x}{:06x}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
+        Self {
+            id,
+            created,
+            model: app.info.model_id.clone(),
+            system_fingerprint: format!("pagemill-{}-{}", app.info.version, app.info.model_dtype),
+        }
+    }
+}
+
+pub fn unix_now() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
+}
+
+fn invalid(msg: impl Into<String>) -> RouterError {
+    RouterError::Validation(msg.into())
+}
+
+impl SamplingParams {
+    /// OpenAI semantics on top of TGI's parameters: sampling by default
+    /// (temperature 1), `temperature: 0` is greedy whatever the other knobs say.
+    pub fn to_parameters(&self, max_tokens: Option<i64>, top_n_tokens: Option<u32>) -> Result<GenerateParameters, RouterError> {
+        if let Some(t) = self.temperature {
+            if !t.is_finite() || !(0.0..=2.0).contains(&t) {
+                return Err(invalid(format!("`temperature` must be in [0, 2], got {t}")));
+            }
+        }
+        if let Some(m) = max_tokens {
+            if m <= 0 {
+                return Err(invalid(format!("`max_tokens` must be strictly positive, got {m}")));
+            }
+        }
+        let greedy = self.temperature == Some(0.0);
+        let sample = |v| if greedy { None } else { v };
+        Ok(GenerateParameters {
+            temperature: sample(self.temperature),
+            top_p: sample(self.top_p),
+            top_k: if greedy { None } else { self.top_k },
+            min_p: sample(self.min_p),
+            do_sample: !greedy,
+            max_new_tokens: max_tokens,
+            stop: self.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
+            seed: self.seed,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            repetition_penalty: self.repetition_penalty,
+            top_n_tokens: top_n_tokens.map(i64::from),
+            grammar: self.response_format.as_ref().and_then(|f| f.to_grammar()),
+            ..Default::default()
+        })
+    }
+
+    pub fn include_usage(&self) -> bool {
+        self.stream_options.as_ref().is_some_and(|o| o.include_usage)
+    }
+}
+
+/// The served model, in OpenAI's list format.
+#[utoipa::path(get, path = "/v1/models", tag = "OpenAI",
+    responses((status = 200, description = "The served model", body = ModelList),
+              (status = 401, description = "Missing or wrong API key", body = ErrorBody)))]
+pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
+    Json(ModelList {
+        object: "list".into(),
+        data: vec![ModelCard {
+            id: app.info.model_id.clone(),
+            object: "model".into(),
+            created: app.started_unix,
+            owned_by: "pagemill".into(),
+        }],
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::types::{SamplingParams, StringOrList};
+
+    #[test]
+    fn temperature_zero_is_greedy_and_drops_sampling_knobs() {
+        let s = SamplingParams { temperature: Some(0.0), top_p: Some(0.5), top_k: Some(3), ..Default::default() };
+        let p = s.to_parameters(Some(5), None).unwrap();
+        assert!(!p.do_sample);
+        assert_eq!((p.temperature, p.top_p, p.top_k), (None, None, None));
+        assert_eq!(p.max_new_tokens, Some(5));
+    }
+
+    #[test]
+    fn default_is_sampling_and_top_p_one_is_fine() {
+        let s = SamplingParams { top_p: Some(1.0), stop: Some(StringOrList::One("\n".into())), ..Default::default() };
+        let p = s.to_parameters(None, Some(2)).unwrap();
+        assert!(p.do_sample);
+        assert_eq!(p.top_p, Some(1.0));
+        assert_eq!(p.stop, vec!["\n".to_string()]);
+        assert_eq!(p.top_n_tokens, Some(2));
+    }
+
+    #[test]
+    fn out_of_range_values_are_rejected() {
+        for t in [-0.1, 2.5, f32::NAN] {
+            let s = SamplingParams { temperature: Some(t), ..Default::default() };
+            assert!(s.to_parameters(None, None).is_err());
+        }
+        assert!(SamplingParams::default().to_parameters(Some(0), None).is_err());
+    }
+}
