@@ -16,8 +16,7 @@ from transformers import (
 )
 
 from pagemill.proto import pb
-from pagemill.sampling.params import SamplingParams
-from pagemill.sampling.sampler import Sampler, apply_penalties, apply_warpers
+from pagemill.sampling import PenaltyState, Sampler, SamplingParams, apply_penalties, apply_warpers
 
 VOCAB = 200
 
@@ -29,6 +28,11 @@ class Row:
     prompt_len: int = 1
     top_n: int = 0
     generator: torch.Generator | None = None
+    penalties: PenaltyState | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.has_penalties:
+            self.penalties = PenaltyState.from_tokens(self.token_ids, self.prompt_len, VOCAB, "cpu")
 
     def seeded(self) -> "Row":
         if self.params.seed is not None:
