@@ -130,14 +130,15 @@ class Sampler:
         ids[idx] = (probs[idx] / noise.clamp_min_(torch.finfo(noise.dtype).tiny)).argmax(-1)
         return ids
 
-    def uniform(self, rows: Sequence[SamplingRow], k: int) -> torch.Tensor:
-        """[len(rows), k] U(0, 1) draws (acceptance tests); 0.5 for greedy rows, whose
-        acceptance ratios are exactly 0 or 1, so that they consume no randomness."""
-        u = torch.full((len(rows), k), 0.5, device=self.device)
-        for i, r in enumerate(rows):
-            if not r.params.greedy:
+    def uniform(self, rows: Sequence[SamplingRow], counts: Sequence[int], width: int) -> torch.Tensor:
+        """[len(rows), width] U(0, 1) draws for acceptance tests, counts[i] of them for row i
+        (a seeded request must consume the same randomness whoever shares its batch);
+        0.5 elsewhere and for greedy rows, whose acceptance ratios are exactly 0 or 1."""
+        u = torch.full((len(rows), width), 0.5, device=self.device)
+        for i, (r, n) in enumerate(zip(rows, counts)):
+            if n > 0 and not r.params.greedy:
                 g = r.generator if r.generator is not None else self.generator
-                u[i] = torch.rand(k, generator=g, device=self.device)
+                u[i, :n] = torch.rand(n, generator=g, device=self.device)
         return u
 
     def report(self, ids: torch.Tensor, shaped: Shaped, rows: Sequence[SamplingRow]) -> SamplerOutput:

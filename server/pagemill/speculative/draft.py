@@ -79,8 +79,8 @@ class DraftProposer:
             shaped = sampler.shape(self.model.compute_logits(hidden), rows)
             probs = sampler.target_probs(shaped, rows)
             tokens = sampler.draw(probs, rows).tolist()
+            q[torch.tensor(active, device=self.device), step] = probs
             for j, i in enumerate(active):
-                q[i, step] = probs[j]
                 proposals[i].append(tokens[j])
             keep = [j for j, i in enumerate(active) if ks[i] > step + 1]
             if not keep:

@@ -49,7 +49,7 @@ def verify(
 
     p_x = p[:, :width].gather(2, d[..., None]).squeeze(2)  # [R, K]
     q_x = torch.ones_like(p_x) if draft is None else draft[:, :width].gather(2, d[..., None]).squeeze(2)
-    u = sampler.uniform(rows, width)
+    u = sampler.uniform(rows, [c - 1 for c in counts], width)
     ratio = p_x / q_x.clamp_min(torch.finfo(q_x.dtype).tiny)
     ok = (u < ratio) & (cols[None, :width] < n[:, None])
     accepted = ok.int().cumprod(1).sum(1)  # [R] leading accepted proposals
