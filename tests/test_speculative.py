@@ -245,3 +245,49 @@ def test_penalised_and_sampled_requests_in_a_speculative_batch(models, baseline)
         assert spec[rid]["ids"] == plain[rid]["ids"]
     alone = generate(make_runner(target, speculate=3, draft_dir=other, seed=5), [prompts[1]], 12, params=[seeded])
     assert alone[0]["ids"] == spec[1]["ids"]
+
+
+def tiny_vocab_model(path: str, seed: int, vocab: int = 12, scale: float = 0.4) -> str:
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+                                      bos_token_id=0, eos_token_id=1)  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.uniform_(0.5, 1.5) if "norm" in name else p.normal_(0.0, scale)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculative_sampling_matches_the_target_distribution(tmp_path, method):
+    """Chi-square of sampled (t1, t2), (t2, t3), (t3, t4) against the exact target joint,
+    temperature 1, 6000 samples; t2..t4 come out of one verification step with 2 proposals."""
+    from conftest import load_hf
+
+    vocab, n, prompt = 12, 6000, [3, 4, 5, 3, 4, 5, 3]
+    target = tiny_vocab_model(str(tmp_path / "target"), seed=0)
+    draft = tiny_vocab_model(str(tmp_path / "draft"), seed=1) if method == "draft" else None
+    runner = make_runner(target, speculate=3, draft_dir=draft, blocks=4 * n + 8, seed=123)
+    params = pb.NextTokenChooserParameters(do_sample=True, temperature=1.0)
+    out = Driver(runner).run([prompt] * n, 4, params=[params] * n)
+    samples = torch.tensor([out[i]["ids"] for i in range(n)])  # [n, 4]
+
+    hf = load_hf(target)
+    grid = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # every (t1, t2, t3)
+    with torch.no_grad():
+        logp = hf(torch.cat([torch.tensor(prompt).expand(len(grid), -1), grid], 1)).logits.log_softmax(-1)
+    base = len(prompt) - 1
+    joint = logp[:, base].gather(1, grid[:, :1]).squeeze(1)  # log P(t1)
+    for j in (1, 2):
+        joint = joint + logp[:, base + j].gather(1, grid[:, j : j + 1]).squeeze(1)
+    joint = joint.exp().view(vocab, vocab, vocab)  # P(t1, t2, t3)
+    p4 = (joint.view(-1, 1) * logp[:, base + 3].exp()).view(vocab, vocab, vocab, vocab)  # P(t1..t4)
+    pairs = {(0, 1): p4.sum((2, 3)), (1, 2): p4.sum((0, 3)), (2, 3): p4.sum((0, 1))}
+    for (a, b), exact in pairs.items():
+        observed = torch.bincount(samples[:, a] * vocab + samples[:, b], minlength=vocab * vocab).float()
+        p_value = chi_square_p(observed, exact.flatten() * n)
+        assert p_value > 0.01, f"tokens {a + 1},{b + 1}: p = {p_value:.4f}"
