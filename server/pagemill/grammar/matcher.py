@@ -30,6 +30,13 @@ from pagemill.proto import pb
 from pagemill.sampling.sampler import GrammarMask
 
 
+# Compact, fixed whitespace: `{"a": 1, "b": [2, 3]}`. Flexible whitespace lets a
+# model pad forever (a known failure of small models under a JSON mask) and
+# makes the token count of a bounded schema unbounded. A schema can still ask
+# for other settings through llguidance's "x-guidance" key.
+JSON_DEFAULTS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 class GrammarError(ValueError):
     """The request's grammar cannot be served (bad schema/regex, no tokenizer)."""
 
@@ -88,7 +95,7 @@ class GrammarCompiler:
             schema = '{"type": "object"}' if value in ("", "{}") else value
             try:
                 json.loads(schema)
-                text = llguidance.LLMatcher.grammar_from_json_schema(schema)
+                text = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
             except ValueError as e:
                 raise GrammarError(f"invalid JSON schema: {e}") from None
         elif grammar.type == pb.GRAMMAR_TYPE_REGEX:
