@@ -29,18 +29,18 @@ import grpc
 import torch
 
 from pagemill.attention.backend import select_backend
-from pagemill.attention.metadata import make_metadata
 from pagemill.config import ShardConfig
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.loader import dtype_name, load_model, parse_dtype
 from pagemill.proto import pb
 from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMasker
-from pagemill.sampling.params import SamplingParams
 from pagemill.sampling.sampler import Sampler
-from pagemill.shard.batch import RequestState, ShardBatch, StepInputs
+from pagemill.shard.batch import RequestState, ShardBatch
 from pagemill.shard.errors import ShardError
-from pagemill.shard.kv_pool import SCRATCH_BLOCK, KVPool
+from pagemill.shard.generations import Emitted, advance
+from pagemill.shard.kv_pool import KVPool
+from pagemill.shard.warmup import allocate_pools, cuda_budget, dummy_steps
 from pagemill.speculative.draft import DraftProposer
 from pagemill.speculative.ngram import propose_ngram
 from pagemill.speculative.verify import verify
@@ -52,21 +52,6 @@ log = logging.getLogger(__name__)
 class StepResult:
     generations: list  # pb.Generation
     forward_ns: int
-
-
-@dataclass
-class _WarmupRow:  # a SamplingRow for the dummy decode of warmup
-    params: SamplingParams
-    generator: None = None
-    penalties: None = None
-    top_n: int = 0
-
-
-@dataclass
-class Emitted:  # what one step produced for one request
-    ids: list[int]
-    logprobs: list[float]
-    top: list[tuple[list[int], list[float]]]
 
 
 class ModelRunner:
@@ -166,13 +151,13 @@ class ModelRunner:
         self.pool = None  # a second warmup replaces the pool (the service drops cached batches)
         start = time.perf_counter_ns()
         try:
-            budget = self._cuda_budget(req) if self.device.type == "cuda" else self.kv_cache_memory
-            self._allocate_pools(budget)
+            budget = cuda_budget(self, req) if self.device.type == "cuda" else self.kv_cache_memory
+            allocate_pools(self, budget)
         except ValueError as e:  # the budget holds fewer than 2 blocks
             self.pool = None
             raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         if self.device.type != "cuda":
-            self._dummy_steps(req)
+            dummy_steps(self, req)
         elapsed = time.perf_counter_ns() - start
         needed = math.ceil(req.max_total_tokens / self.block_size) + 1
         if self.pool.num_blocks < needed:
@@ -185,81 +170,6 @@ class ModelRunner:
             )
         log.info("warmup: %d KV blocks of %d tokens, %.2fs", self.pool.num_blocks, self.block_size, elapsed / 1e9)
         return pb.WarmupResponse(num_blocks=self.pool.num_blocks, block_size=self.block_size, warmup_ns=elapsed)
-
-    def _allocate_pools(self, budget: int) -> None:
-        """Target pool (and the draft's, with the same block count: one set of block ids
-        addresses both) from a byte budget."""
-        per_block = KVPool.bytes_per_block(self.config, self.block_size, self.dtype)
-        if self.draft is not None:
-            per_block += KVPool.bytes_per_block(self.draft.config, self.block_size, self.draft.dtype)
-        num_blocks = max(budget, 0) // per_block
-        if num_blocks < 2:
-            raise ValueError(
-                f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
-                "need at least 2 (block 0 is scratch)"
-            )
-        self.pool = KVPool.with_blocks(
-            self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=self.dtype, device=self.device
-        )
-        if self.draft is not None:
-            self.draft.allocate(num_blocks)
-
-    def _cuda_budget(self, req) -> int:
-        # Peak activation memory is measured with one-block (scratch) pools,
-        # then the real pools take what is left of the utilisation budget.
-        self.pool = KVPool.with_blocks(
-            self.config, num_blocks=1, block_size=self.block_size, dtype=self.dtype, device=self.device
-        )
-        if self.draft is not None:
-            self.draft.allocate(1)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._dummy_steps(req)
-        torch.cuda.synchronize(self.device)
-        peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        self.pool = None
-        if self.draft is not None:
-            self.draft.pool = None
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        return int(total * self.gpu_memory_utilization) - (total - free) - peak_extra
-
-    @torch.inference_mode()
-    def _dummy_steps(self, req) -> None:
-        """The largest prefill the router will send, then the widest decode, all in scratch block 0."""
-        bs, vocab = self.block_size, self.config.vocab_size
-        total, longest = req.max_batch_prefill_tokens, min(req.max_input_tokens, req.max_batch_prefill_tokens)
-        lens = [longest] * (total // longest) + ([total % longest] if total % longest else [])
-        meta = make_metadata(
-            is_prefill=True, query_lens=lens, kv_lens=lens,
-            block_tables=[[SCRATCH_BLOCK] * math.ceil(n / bs) for n in lens],
-            slot_mapping=[SCRATCH_BLOCK * bs + i % bs for n in lens for i in range(n)], device=self.device,
-        )  # fmt: skip
-        ids = torch.arange(total, device=self.device) % vocab
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        hidden = self.model(ids, positions, meta, self.pool.kv_caches)
-        if self.draft is not None:
-            self.draft.forward(ids, positions, meta)
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        self.sampler(self.model.compute_logits(hidden[last]), [_WarmupRow(SamplingParams())] * len(lens))
-
-        b = max(1, req.max_batch_size)
-        meta = make_metadata(
-            is_prefill=False, query_lens=[1] * b, kv_lens=[1] * b, block_tables=[[SCRATCH_BLOCK]] * b,
-            slot_mapping=[SCRATCH_BLOCK * bs] * b, device=self.device,
-        )  # fmt: skip
-        zeros = torch.zeros(b, dtype=torch.int64, device=self.device)
-        hidden = self.model(zeros, zeros, meta, self.pool.kv_caches)
-        # Sampling rows exercise the sort-based warpers at full batch width.
-        row = _WarmupRow(SamplingParams(temperature=0.7, top_k=50, top_p=0.9, do_sample=True))
-        self.sampler(self.model.compute_logits(hidden), [row] * b)
-        if self.speculate > 0:
-            # The widest verification: K + 1 rows of logits per sequence, through the verifier.
-            k = self.speculate
-            logits = self.model.compute_logits(hidden).repeat_interleave(k + 1, dim=0)
-            probs = self.sampler.target_probs(self.sampler.shape(logits, [row] * len(logits)), [row] * len(logits))
-            draft_q = probs.view(b, k + 1, -1)[:, :k] if self.draft is not None else None
-            verify(self.sampler, probs, [k + 1] * b, [[0] * k] * b, [row] * b, draft_q)
 
     # --- steps -----------------------------------------------------------------------
 
@@ -293,7 +203,7 @@ class ModelRunner:
         if self.draft is not None:
             for r in batch.requests:
                 r.draft_len = r.seq_len
-        return StepResult(self._advance(batch, emitted, prompt_lps), time.perf_counter_ns() - start)
+        return StepResult(advance(batch, emitted, prompt_lps, self.eos_ids), time.perf_counter_ns() - start)
 
     def decode(self, batch: ShardBatch, slots: Sequence) -> StepResult:
         pool = self._require_pool()
@@ -312,7 +222,7 @@ class ModelRunner:
             for r, k, e in zip(batch.requests, ks, emitted):
                 if k > 0:  # the draft fed seq_len - 1 .. seq_len - 2 + k; the first len(e) of them stand
                     r.draft_len = r.seq_len - 1 + min(k, len(e.ids))
-        return StepResult(self._advance(batch, emitted, {}), time.perf_counter_ns() - start)
+        return StepResult(advance(batch, emitted, {}, self.eos_ids), time.perf_counter_ns() - start)
 
     def _plain_decode(self, batch: ShardBatch, slots: list[int]) -> list[Emitted]:
         inputs = batch.decode_inputs(slots, self.device)
@@ -405,51 +315,3 @@ class ModelRunner:
                 result[r.id] = lps
             row += n_new
         return result
-
-    def _advance(self, batch: ShardBatch, emitted: list[Emitted], prompt_lps: dict[int, list[float]]) -> list:
-        """Appends each request's tokens up to its first finish, builds its Generation."""
-        generations, alive = [], []
-        for r, e in zip(batch.requests, emitted):
-            if r.error is not None:
-                generations.append(pb.Generation(request_id=r.id, error=r.error))
-                continue
-            prefill_tokens = pb.Tokens(ids=r.token_ids, logprobs=prompt_lps[r.id]) if r.id in prompt_lps else None
-            # Everything fed this step is in the pool: the last token and the accepted proposals.
-            r.cache_len = r.seq_len + len(e.ids) - 1
-            finish, n = pb.FINISH_REASON_UNSPECIFIED, 0
-            for token in e.ids:
-                n += 1
-                r.token_ids.append(token)
-                r.generated += 1
-                if r.grammar is not None and (err := r.grammar.consume([token])) is not None:
-                    r.error = err
-                    break
-                finish = self._finish_reason(r, token)
-                if finish != pb.FINISH_REASON_UNSPECIFIED:
-                    break  # a finish inside an accepted run truncates it there
-            if r.error is not None:
-                generations.append(pb.Generation(request_id=r.id, error=r.error))
-                continue
-            if r.penalties is not None:
-                r.penalties.add(e.ids[:n])
-            generations.append(
-                pb.Generation(
-                    request_id=r.id,
-                    prefill_tokens=prefill_tokens,
-                    tokens=pb.Tokens(ids=e.ids[:n], logprobs=e.logprobs[:n]),
-                    top_tokens=[pb.Tokens(ids=i, logprobs=lp) for i, lp in e.top[:n]] if r.top_n else [],
-                    finish_reason=finish,
-                )
-            )
-            if finish == pb.FINISH_REASON_UNSPECIFIED:
-                alive.append(r)
-        batch.requests = alive
-        return generations
-
-    def _finish_reason(self, r: RequestState, token: int) -> int:
-        # A finished grammar only allows EOS, which then ends the request even with ignore_eos.
-        if token in self.eos_ids and (not r.ignore_eos or r.grammar is not None):
-            return pb.FINISH_REASON_EOS_TOKEN
-        if r.generated >= r.max_new_tokens:
-            return pb.FINISH_REASON_LENGTH
-        return pb.FINISH_REASON_UNSPECIFIED
