@@ -31,6 +31,12 @@ def _add_shard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "triton", "torch"])
     p.add_argument("--num-threads", type=int, default=0, help="torch threads per shard (0: torch default)")
+    p.add_argument("--speculate", type=int, default=0,
+                   help="speculative tokens proposed and verified per decode step (0: off)")
+    p.add_argument("--speculate-method", default="ngram", choices=["ngram", "draft"],
+                   help="ngram: prompt lookup, no second model; draft: a smaller model (--draft-model)")
+    p.add_argument("--draft-model", default=None,
+                   help="HF model dir of the draft model (same tokenizer as the target)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -127,6 +133,7 @@ def shard_config(a: argparse.Namespace, model_dir: str, uds_path: str, rank: int
         master_addr=getattr(a, "master_addr", "127.0.0.1"), master_port=a.master_port,
         dtype=a.dtype, device=a.device, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
         gpu_memory_utilization=a.gpu_memory_utilization, attention=a.attention, num_threads=a.num_threads,
+        speculate=a.speculate, speculate_method=a.speculate_method, draft_model=a.draft_model,
     )
 
 
