@@ -51,17 +51,35 @@ class TorchAttentionBackend:
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         batch, width = meta.block_tables.shape
         block_size, kv_heads, head_dim = k_cache.shape[1:]
-        tables = meta.block_tables.long()
-        # [B, W, block_size, kvh, D] -> [B, kvh, W * block_size, D]
-        keys = k_cache[tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        values = v_cache[tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        positions = torch.arange(width * block_size, device=q.device)
-        # Padding blocks (id 0) and the tail of the last block are masked out.
-        mask = (positions[None, :] < meta.context_lens[:, None].long())[:, None, None, :]
+        tables, mask, length = _decode_indices(meta, block_size)
+        # [B, W, block_size, kvh, D] -> [B, kvh, length, D]. The gather copies
+        # only the blocks in the (padded) tables, once per layer.
+        shape = (batch, width * block_size, kv_heads, head_dim)
+        keys = k_cache[tables].view(shape)[:, :length].transpose(1, 2).to(q.dtype)
+        values = v_cache[tables].view(shape)[:, :length].transpose(1, 2).to(q.dtype)
         out = F.scaled_dot_product_attention(
             q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1]
         )
         return out.squeeze(2)
+
+
+def _decode_indices(meta: AttentionMetadata, block_size: int):
+    """(int64 block tables, attention mask or None, keys kept), built once per forward."""
+    cached = meta.derived.get("decode")
+    if cached is not None:
+        return cached
+    batch, width = meta.block_tables.shape
+    tables, length = meta.block_tables.long(), width * block_size
+    if batch == 1 or all(n == length for n in meta.kv_lens):
+        # One sequence: keep exactly its keys; or every table is full. No mask
+        # lets SDPA take its unmasked path.
+        length, mask = max(meta.kv_lens), None
+    else:
+        positions = torch.arange(width * block_size, device=tables.device)
+        # Padding blocks (id 0) and the tail of the last block are masked out.
+        mask = (positions[None, :] < meta.context_lens[:, None].long())[:, None, None, :]
+    meta.derived["decode"] = tables, mask, length
+    return tables, mask, length
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
