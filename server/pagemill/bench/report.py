@@ -25,6 +25,9 @@ def _serve_rows(runs: list[dict]) -> list[str]:
 
 def summary_markdown(res: dict) -> str:
     out = [f"# pagemill bench suite ({res.get('started', '')})", ""]
+    if "idle_before" in res:
+        out += [f"CPU idle before the run: {100 * res['idle_before']:.0f}%, after: "
+                f"{100 * res.get('idle_after', 0):.0f}% (other users of the cores distort every figure)", ""]
     roof = res.get("roofline")
     if roof:
         m = roof["machine"]

@@ -20,6 +20,23 @@ from pagemill.bench.report import summary_markdown
 from pagemill.bench.serve import LaunchedServer, serve_once
 
 
+def idle_fraction(seconds: float = 2.0) -> float:
+    """Share of CPU time spent idle over `seconds` (Linux /proc/stat; 1.0 elsewhere)."""
+
+    def snap():
+        with open("/proc/stat") as f:
+            v = [int(x) for x in f.readline().split()[1:]]
+        return v[3] + v[4], sum(v)  # idle + iowait, total
+
+    try:
+        i0, t0 = snap()
+        time.sleep(seconds)
+        i1, t1 = snap()
+    except OSError:
+        return 1.0
+    return (i1 - i0) / max(1, t1 - t0)
+
+
 def _tokenizer(model_dir: str):
     from tokenizers import Tokenizer
 
@@ -59,6 +76,11 @@ def run_suite(a) -> dict:
     tok = _tokenizer(model_dir)
     slos, pcts = parse_goodput(a.goodput), _percentiles(a)
     results: dict = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "args": _args_dict(a), "model_dir": model_dir}
+    # Other users of the cores make every figure worse (2 OpenMP threads on a
+    # busy 2-core machine slow down several times): record how idle it was.
+    results["idle_before"] = idle_fraction()
+    if results["idle_before"] < 0.8:
+        _log(f"warning: the machine is only {100 * results['idle_before']:.0f}% idle before the run")
     _log("roofline: measuring bandwidth and matmul rate")
     results["roofline"] = roofline_report(ModelConfig.from_model_dir(model_dir))
 
@@ -88,6 +110,7 @@ def run_suite(a) -> dict:
             _log_run(run.result)
 
     results["baselines"] = [] if a.skip_baselines else _baselines(a, model_dir, tok, requests)
+    results["idle_after"] = idle_fraction()
     _write(results, a.out)
     return results
 
