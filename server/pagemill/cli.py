@@ -1,4 +1,4 @@
-"""`pagemill` command line: launch (shards + router), shard, router, convert."""
+"""`pagemill` command line: launch (shards + router), shard, router, convert, bench."""
 
 from __future__ import annotations
 
@@ -124,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model dir")
     convert.add_argument("gguf")
     convert.add_argument("out_dir")
+
+    from pagemill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -174,4 +178,9 @@ def main(argv: list[str] | None = None) -> None:
         from pagemill.models.gguf_loader import convert_gguf_to_hf
 
         print(convert_gguf_to_hf(a.gguf, a.out_dir))
+        return
+    if a.command == "bench":
+        from pagemill.bench.cli import run_bench
+
+        run_bench(a)
         return
