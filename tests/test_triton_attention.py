@@ -26,8 +26,9 @@ from pagemill.attention.torch_backend import TorchAttentionBackend
 ON_CUDA = torch.cuda.is_available()
 IN_INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if ON_CUDA else "cpu"
-kernel_test = pytest.mark.skipif(not (ON_CUDA or IN_INTERPRETER),
-                                 reason="no CUDA: runs in test_kernels_in_interpreter's TRITON_INTERPRET=1 child")  # fmt: skip
+kernel_test = pytest.mark.skipif(
+    not (ON_CUDA or IN_INTERPRETER), reason="no CUDA: runs in test_kernels_in_interpreter's TRITON_INTERPRET=1 child"
+)
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 2e-2, torch.bfloat16: 2e-2}  # max abs error / max |reference|
 BLOCK_SIZE = 16
 KV_HEADS = 2
@@ -261,7 +262,8 @@ class FakeFlashAttn:
     @staticmethod
     def _attend(q, k, v, scale):  # q [n, H, D], k/v [L, kvh, D]; the last query sees every key
         offset = k.shape[0] - q.shape[0]
-        mask = torch.arange(k.shape[0])[None, :] <= torch.arange(q.shape[0])[:, None] + offset
+        keys, queries = torch.arange(k.shape[0], device=q.device), torch.arange(q.shape[0], device=q.device)
+        mask = keys[None, :] <= queries[:, None] + offset
         return torch.nn.functional.scaled_dot_product_attention(
             q.transpose(0, 1).float(), k.transpose(0, 1).float(), v.transpose(0, 1).float(), attn_mask=mask,
             scale=scale, enable_gqa=True).transpose(0, 1).to(q.dtype)  # fmt: skip
