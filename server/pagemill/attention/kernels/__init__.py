@@ -2,8 +2,8 @@
 
 Every kernel reads the pool through block tables, so the pool layout
 [num_blocks, block_size, kv_heads, head_dim] is never copied or reshaped.
-Kernels are decorated when their module is first imported; with
-TRITON_INTERPRET=1 set at that moment they run on CPU tensors (slowly).
+With TRITON_INTERPRET=1 set before triton is first imported (and kept set)
+they run in Triton's interpreter on CPU tensors, slowly: for tests and debugging.
 """
 
 from pagemill.attention.kernels.decode import decode_partition_size, paged_decode
