@@ -16,8 +16,7 @@ from transformers import (
 )
 
 from pagemill.proto import pb
-from pagemill.sampling.params import SamplingParams
-from pagemill.sampling.sampler import Sampler, apply_penalties, apply_warpers
+from pagemill.sampling import PenaltyState, Sampler, SamplingParams, apply_penalties, apply_warpers
 
 VOCAB = 200
 
@@ -29,6 +28,11 @@ class Row:
     prompt_len: int = 1
     top_n: int = 0
     generator: torch.Generator | None = None
+    penalties: PenaltyState | None = None
+
+    def __post_init__(self) -> None:
+        if self.params.has_penalties:
+            self.penalties = PenaltyState.from_tokens(self.token_ids, self.prompt_len, VOCAB, "cpu")
 
     def seeded(self) -> "Row":
         if self.params.seed is not None:
@@ -203,3 +207,74 @@ def test_params_from_proto():
                 dict(temperature=float("nan"))):  # fmt: skip
         with pytest.raises(ValueError):
             SamplingParams.from_pb(pb.NextTokenChooserParameters(**bad))
+
+
+def test_incremental_penalty_counts_equal_a_recount():
+    prompt, steps = [4, 4, 9, 17], [[9], [3, 3, 150], [4], [199]]
+    state = PenaltyState.from_tokens(prompt, len(prompt), VOCAB, "cpu")
+    context = list(prompt)
+    for new in steps:
+        state.add(new)
+        context += new
+        fresh = PenaltyState.from_tokens(context, len(prompt), VOCAB, "cpu")
+        assert torch.equal(state.seen, fresh.seen) and torch.equal(state.counts, fresh.counts)
+    assert state.counts[3] == 2 and state.counts[4] == 1 and state.seen[17] and not state.seen[5]
+
+
+def test_full_pipeline_matches_a_transformers_processor_list():
+    """penalty -> temperature -> top-k -> top-p -> min-p -> typical, per row of a mixed batch."""
+    from transformers import LogitsProcessorList
+
+    ctx = [3, 7, 7, 150, 8]
+    params = [
+        SamplingParams(do_sample=True, temperature=0.7, top_k=30, top_p=0.9, repetition_penalty=1.3),
+        SamplingParams(do_sample=True, temperature=1.4, min_p=0.05, typical_p=0.8, repetition_penalty=0.9),
+        SamplingParams(do_sample=True, top_p=0.6),
+        SamplingParams(repetition_penalty=1.2),  # greedy: one-hot at the penalised argmax
+    ]
+    rows = [Row(p, ctx, len(ctx)) for p in params]
+    logits = random_logits(len(rows), seed=11)
+    sampler = Sampler(seed=0)
+    probs = sampler.target_probs(sampler.shape(logits, rows), rows)
+    for i, p in enumerate(params):
+        procs = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(p.repetition_penalty)])
+        ref = procs(torch.tensor([ctx]), logits[i : i + 1].clone())[0]
+        if p.greedy:
+            assert probs[i].argmax() == ref.argmax() and probs[i].max() == 1.0
+            continue
+        torch.testing.assert_close(probs[i], hf_warp(ref, p).softmax(-1), atol=1e-6, rtol=1e-5)
+
+
+def test_grammar_mask_constrains_the_draw_but_not_the_reported_logprobs():
+    from pagemill.sampling import GrammarMask
+
+    logits = random_logits(3, seed=12)
+    rows = [Row(SamplingParams(), top_n=2), Row(SamplingParams(do_sample=True, top_k=3, seed=1)).seeded(),
+            Row(SamplingParams())]  # fmt: skip
+    allowed = torch.zeros(2, VOCAB, dtype=torch.bool)
+    allowed[0, [11, 12]] = True
+    allowed[1, [40, 41, 42, 43, 44]] = True
+    out = Sampler(seed=0)(logits, rows, GrammarMask([0, 1], allowed))
+    assert out.token_ids[0] == 11 + int(logits[0, 12] > logits[0, 11])
+    assert out.token_ids[1] in range(40, 45) and out.token_ids[2] == int(logits[2].argmax())
+    logp = logits.log_softmax(-1)
+    assert out.logprobs[0] == pytest.approx(logp[0, out.token_ids[0]].item(), abs=1e-5)
+    assert out.top_ids[0] == logp[0].topk(2).indices.tolist()  # the model's own alternatives
+
+
+def test_eos_ids_from_generation_config_and_ignore_eos(tmp_path):
+    import json
+
+    from conftest import build_model_dir
+    from test_speculative import Driver, make_runner
+
+    model_dir = build_model_dir(str(tmp_path), "llama_gqa")
+    ref = Driver(make_runner(model_dir)).run([[5, 6, 7]], 8)[0]["ids"]
+    eos = next(t for t in ref[2:] if t not in ref[:2])  # first occurrence at some index >= 2
+    gen = json.loads((tmp_path / "generation_config.json").read_text())
+    gen["eos_token_id"] = [gen["eos_token_id"], eos]  # config.json keeps the single id 2
+    (tmp_path / "generation_config.json").write_text(json.dumps(gen))
+    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 8, ignore_eos=False)[0]
+    assert out["ids"] == ref[: ref.index(eos) + 1] and out["finish"] == pb.FINISH_REASON_EOS_TOKEN
+    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 8, ignore_eos=True)[0]
+    assert out["ids"] == ref and out["finish"] == pb.FINISH_REASON_LENGTH

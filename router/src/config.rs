@@ -26,6 +26,9 @@ pub struct RouterConfig {
     pub validation_workers: usize,
     /// How long SIGTERM waits for in-flight requests before closing.
     pub shutdown_timeout_s: u64,
+    pub prefix_caching: bool,
+    /// Admit the queued request with the longest cached prefix first.
+    pub cache_aware_admission: bool,
     /// When set, generation routes require `Authorization: Bearer <key>`.
     pub api_key: Option<String>,
     /// Largest `n` (OpenAI) / `best_of` (TGI) of one request.
@@ -52,6 +55,8 @@ impl Default for RouterConfig {
             payload_limit: 2_000_000,
             validation_workers: 2,
             shutdown_timeout_s: 30,
+            prefix_caching: true,
+            cache_aware_admission: false,
             api_key: None,
             max_best_of: 4,
         }

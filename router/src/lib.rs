@@ -31,10 +31,10 @@ use crate::client::ShardedClient;
 use crate::config::RouterConfig;
 use crate::http::{AppState, ServerInfo};
 use crate::infer::Infer;
-use crate::kv::BlockAllocator;
+use crate::kv::KvManager;
 use crate::proto::pb;
 use crate::scheduler::admission::Budget;
-use crate::scheduler::Scheduler;
+use crate::scheduler::{AdmissionOrder, Scheduler, SchedulerConfig};
 use crate::state::RouterState;
 use crate::validation::{Limits, Validation};
 
@@ -64,9 +64,11 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         })
         .await
         .map_err(|e| format!("shard Warmup failed: {}", e.message()))?;
-    let allocator = BlockAllocator::new(warmup.num_blocks, warmup.block_size);
-    let pool_tokens = allocator.capacity() as u64 * warmup.block_size as u64;
-    if pool_tokens < config.max_total_tokens as u64 {
+    let kv = KvManager::new(warmup.num_blocks, warmup.block_size, config.prefix_caching);
+    let pool_tokens = kv.capacity() as u64 * warmup.block_size as u64;
+    // One request at its longest (plus speculative slots) must always fit, or
+    // preemption could not make progress.
+    if pool_tokens < config.max_total_tokens as u64 + shard_info.speculate as u64 {
         return Err(format!(
             "the KV pool holds {pool_tokens} tokens, fewer than max_total_tokens ({}): give the shard more KV memory or lower max_total_tokens",
             config.max_total_tokens
@@ -74,33 +76,38 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
     }
     let max_batch_total_tokens = config.max_batch_total_tokens.map_or(pool_tokens, |t| (t as u64).min(pool_tokens));
     tracing::info!(
-        "KV pool: {} blocks of {} tokens ({} tokens), max_batch_total_tokens {}",
-        allocator.capacity(),
+        "KV pool: {} blocks of {} tokens ({} tokens), max_batch_total_tokens {}, prefix caching {}",
+        kv.capacity(),
         warmup.block_size,
         pool_tokens,
-        max_batch_total_tokens
+        max_batch_total_tokens,
+        if config.prefix_caching { "on" } else { "off" }
     );
 
     let state = Arc::new(RouterState::default());
     state.healthy.store(true, Ordering::Relaxed);
-    RouterState::set(&state.kv_blocks_total, allocator.capacity() as u64);
-    RouterState::set(&state.kv_blocks_free, allocator.free_blocks() as u64);
+    RouterState::set(&state.kv_blocks_total, kv.capacity() as u64);
+    RouterState::set(&state.kv_blocks_free, kv.capacity() as u64);
     RouterState::set(&state.kv_block_size, warmup.block_size as u64);
 
     let budget = Budget {
         max_batch_prefill_tokens: config.max_batch_prefill_tokens,
         max_batch_total_tokens,
         max_batch_size: config.max_batch_size,
-        block_size: warmup.block_size,
-        capacity_blocks: allocator.capacity(),
+        // As vLLM: keep ~1% of the pool free at admission for running sequences to grow into.
+        watermark_blocks: (kv.capacity() / 100).max(1),
+    };
+    let scheduler_config = SchedulerConfig {
+        budget,
+        speculate: shard_info.speculate,
+        order: if config.cache_aware_admission { AdmissionOrder::LongestPrefix } else { AdmissionOrder::Fifo },
     };
     let (queue_tx, queue_rx) = mpsc::unbounded_channel();
     let scheduler = Scheduler::new(
         client.clone(),
-        allocator,
+        kv,
         tokenizer.clone(),
-        budget,
-        shard_info.speculate,
+        scheduler_config,
         queue_rx,
         state.clone(),
     );

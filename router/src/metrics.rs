@@ -118,7 +118,13 @@ pub fn render(st: &RouterState) -> String {
     let total = RouterState::get(&st.kv_blocks_total);
     let free = RouterState::get(&st.kv_blocks_free);
     let mut out = String::new();
-    let gauges: [(&str, &str, f64); 5] = [
+    let gauges: [(&str, &str, f64); 7] = [
+        ("pagemill_kv_blocks_cached", "KV blocks indexed by the prefix cache", get(&st.kv_blocks_cached)),
+        (
+            "pagemill_kv_utilization",
+            "Slots holding real tokens over slots allocated to running sequences",
+            get(&st.kv_utilization_ppm) / 1e6,
+        ),
         ("pagemill_queue_size", "Requests waiting for admission", get(&st.queue_size)),
         ("pagemill_batch_size", "Sequences in the running batch", get(&st.batch_size)),
         ("pagemill_kv_blocks_total", "KV blocks the router can hand out", total as f64),
@@ -129,7 +135,9 @@ pub fn render(st: &RouterState) -> String {
         scalar(&mut out, name, "gauge", help, v);
     }
     let m = &st.metrics;
-    let counters: [(&str, &str, f64); 8] = [
+    let counters: [(&str, &str, f64); 10] = [
+        ("pagemill_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", get(&st.prefix_hit_tokens_total)),
+        ("pagemill_preemptions_total", "Sequences preempted when the KV pool ran out", get(&st.preemptions_total)),
         ("pagemill_requests_total", "Requests accepted", get(&st.requests_total)),
         ("pagemill_requests_failed_total", "Requests ended by a shard failure", get(&st.requests_failed)),
         ("pagemill_prompt_tokens_total", "Prompt tokens of accepted requests", get(&m.prompt_tokens_total)),

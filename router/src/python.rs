@@ -14,6 +14,7 @@ use crate::config::RouterConfig;
     max_batch_total_tokens = None, max_batch_size = 256, max_concurrent_requests = 128,
     max_stop_sequences = 16, max_top_n_tokens = 5, default_max_new_tokens = 100,
     payload_limit = 2_000_000, shutdown_timeout_s = 30, log_level = "info".to_string(),
+    prefix_caching = true, cache_aware_admission = false,
     api_key = None, max_best_of = 4
 ))]
 #[allow(clippy::too_many_arguments)]
@@ -36,6 +37,8 @@ fn serve(
     payload_limit: usize,
     shutdown_timeout_s: u64,
     log_level: String,
+    prefix_caching: bool,
+    cache_aware_admission: bool,
     api_key: Option<String>,
     max_best_of: u32,
 ) -> PyResult<()> {
@@ -56,6 +59,8 @@ fn serve(
         default_max_new_tokens,
         payload_limit,
         shutdown_timeout_s,
+        prefix_caching,
+        cache_aware_admission,
         api_key,
         max_best_of,
         ..RouterConfig::default()

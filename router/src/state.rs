@@ -18,6 +18,11 @@ pub struct RouterState {
     /// Sum over decode steps of the shard's forward time and of the whole step, in ns.
     pub decode_forward_ns_total: AtomicU64,
     pub decode_step_ns_total: AtomicU64,
+    pub kv_blocks_cached: AtomicU64,
+    pub prefix_hit_tokens_total: AtomicU64,
+    pub preemptions_total: AtomicU64,
+    /// KV utilization of running sequences, parts per million.
+    pub kv_utilization_ppm: AtomicU64,
     /// Latency histograms and per-route counters, written by the HTTP side.
     pub metrics: crate::metrics::Metrics,
 }

@@ -1,4 +1,4 @@
-"""`pagemill` command line: launch (shards + router), shard, router, convert."""
+"""`pagemill` command line: launch (shards + router), shard, router, convert, bench."""
 
 from __future__ import annotations
 
@@ -31,6 +31,12 @@ def _add_shard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--attention", default="auto", choices=["auto", "flash", "triton", "torch"])
     p.add_argument("--num-threads", type=int, default=0, help="torch threads per shard (0: torch default)")
+    p.add_argument("--speculate", type=int, default=0,
+                   help="speculative tokens proposed and verified per decode step (0: off)")
+    p.add_argument("--speculate-method", default="ngram", choices=["ngram", "draft"],
+                   help="ngram: prompt lookup, no second model; draft: a smaller model (--draft-model)")
+    p.add_argument("--draft-model", default=None,
+                   help="HF model dir of the draft model (same tokenizer as the target)")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -53,6 +59,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--payload-limit", type=parse_bytes, default="2MB")
     p.add_argument("--shutdown-timeout", type=int, default=30, help="seconds to drain on SIGTERM")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse KV blocks of shared prompt prefixes")
+    p.add_argument("--cache-aware-admission", action="store_true",
+                   help="admit the queued request with the longest cached prefix first (SGLang's LPM)")
 
 
 # The launcher hands the API key to the router in the environment, not in
@@ -74,7 +84,10 @@ def router_argv(a: argparse.Namespace) -> list[str]:
         if action.dest == "api_key":
             continue
         value = getattr(a, action.dest)
-        if value is not None:
+        if action.nargs == 0:  # on/off flags: pass the flag only when it differs from its default
+            if value != action.default:
+                argv.append(action.option_strings[0])
+        elif value is not None:
             argv += [action.option_strings[0], str(value)]
     return argv
 
@@ -111,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     convert = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model dir")
     convert.add_argument("gguf")
     convert.add_argument("out_dir")
+
+    from pagemill.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -120,6 +137,7 @@ def shard_config(a: argparse.Namespace, model_dir: str, uds_path: str, rank: int
         master_addr=getattr(a, "master_addr", "127.0.0.1"), master_port=a.master_port,
         dtype=a.dtype, device=a.device, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
         gpu_memory_utilization=a.gpu_memory_utilization, attention=a.attention, num_threads=a.num_threads,
+        speculate=a.speculate, speculate_method=a.speculate_method, draft_model=a.draft_model,
     )
 
 
@@ -131,6 +149,7 @@ def router_kwargs(a: argparse.Namespace) -> dict:
         max_concurrent_requests=a.max_concurrent_requests, max_stop_sequences=a.max_stop_sequences,
         max_top_n_tokens=a.max_top_n_tokens, default_max_new_tokens=a.default_max_new_tokens,
         payload_limit=a.payload_limit, shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level,
+        prefix_caching=a.prefix_caching, cache_aware_admission=a.cache_aware_admission,
         max_best_of=a.max_best_of, api_key=api_key(a),
     )
 
@@ -159,4 +178,9 @@ def main(argv: list[str] | None = None) -> None:
         from pagemill.models.gguf_loader import convert_gguf_to_hf
 
         print(convert_gguf_to_hf(a.gguf, a.out_dir))
+        return
+    if a.command == "bench":
+        from pagemill.bench.cli import run_bench
+
+        run_bench(a)
         return

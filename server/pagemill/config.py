@@ -22,3 +22,6 @@ class ShardConfig:
     gpu_memory_utilization: float = 0.9
     attention: str = "auto"  # auto | flash | triton | torch
     num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
+    speculate: int = 0  # proposals verified per decode step (0: no speculation)
+    speculate_method: str = "ngram"  # ngram (prompt lookup) | draft (a second, smaller model)
+    draft_model: str | None = None  # HF model dir of the draft (same tokenizer as the target)

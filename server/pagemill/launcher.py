@@ -138,7 +138,10 @@ class Launcher:
                     "--rank", str(rank), "--world-size", str(a.num_shard), "--master-port", str(a.master_port),
                     "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
                     "--kv-cache-memory", str(a.kv_cache_memory), "--attention", a.attention,
-                    "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(a.num_threads)]
+                    "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(a.num_threads),
+                    "--speculate", str(a.speculate), "--speculate-method", a.speculate_method]
+            if a.draft_model:
+                argv += ["--draft-model", str(resolve_model(a.draft_model, cache_dir=Path(a.cache_dir) if a.cache_dir else None))]
             self.children.append(_spawn(f"shard {rank}", argv, env))
         dead = self._wait(f"loading model on {a.num_shard} shard(s)",
                           lambda: all(_shard_healthy(s) for s in socks))

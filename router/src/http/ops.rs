@@ -43,6 +43,11 @@ pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
     let free = RouterState::get(&st.kv_blocks_free);
     let mut v = serde_json::to_value(&*app.info).unwrap_or_default();
     let live = json!({
+        "kv_blocks_cached": RouterState::get(&st.kv_blocks_cached),
+        "kv_utilization": RouterState::get(&st.kv_utilization_ppm) as f64 / 1e6,
+        "prefix_hit_tokens_total": RouterState::get(&st.prefix_hit_tokens_total),
+        "prefill_tokens_total": RouterState::get(&st.prefill_tokens_total),
+        "preemptions_total": RouterState::get(&st.preemptions_total),
         "kv_blocks_total": total,
         "kv_blocks_free": free,
         "kv_blocks_used": total.saturating_sub(free),

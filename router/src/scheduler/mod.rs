@@ -1,8 +1,10 @@
 //! Continuous batching: one task owns the queue, the running sequences, the
-//! KV allocator and the shard client. Between decode steps it admits new
-//! requests (a prefill), then advances everything running by one token.
+//! KV cache and the shard client. Between decode steps it admits queued
+//! requests (one prefill), then advances everything running by one token,
+//! preempting the newest sequences when the pool runs out.
 
 pub mod admission;
+mod preempt;
 mod sequence;
 
 use std::collections::{HashMap, HashSet, VecDeque};
@@ -15,38 +17,58 @@ use tokio::sync::mpsc;
 
 use crate::client::ShardedClient;
 use crate::error::RouterError;
-use crate::kv::BlockAllocator;
+use crate::kv::KvManager;
 use crate::proto::pb;
 use crate::queue::Entry;
 use crate::state::RouterState;
-use admission::{admit, Budget, Candidate, Reservation};
+use admission::{admit, Budget, Candidate, Running};
 use sequence::{Outcome, Sequence, TextContext};
+
+/// Order in which queued requests are considered for admission.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AdmissionOrder {
+    /// Arrival order.
+    Fifo,
+    /// Longest cached prefix first (SGLang's LPM): more prefix hits while the
+    /// shared blocks are still cached, at some cost in fairness.
+    LongestPrefix,
+}
+
+pub struct SchedulerConfig {
+    pub budget: Budget,
+    /// Proposals per decode step; each step writes speculate + 1 slots.
+    pub speculate: u32,
+    pub order: AdmissionOrder,
+}
 
 pub struct Scheduler {
     client: ShardedClient,
-    allocator: BlockAllocator,
+    kv: KvManager,
     tokenizer: Arc<Tokenizer>,
     special_ids: HashSet<u32>,
-    budget: Budget,
+    config: SchedulerConfig,
     rx: mpsc::UnboundedReceiver<Entry>,
-    queue: VecDeque<Entry>,
+    queue: VecDeque<Sequence>,
     running: HashMap<u64, Sequence>,
     /// Shard-side batches in the order the shard concatenates them.
     batches: Vec<pb::CachedBatch>,
-    reserved: Reservation,
-    /// Proposals per decode step; each step writes speculate + 1 slots.
-    speculate: u32,
     next_batch_id: u64,
+    admissions: u64,
     state: Arc<RouterState>,
+}
+
+/// A sequence about to be prefilled, with the prompt tokens already in its blocks.
+struct Admitted {
+    seq: Sequence,
+    cache_len: u32,
 }
 
 impl Scheduler {
     pub fn new(
         client: ShardedClient,
-        allocator: BlockAllocator,
+        kv: KvManager,
         tokenizer: Arc<Tokenizer>,
-        budget: Budget,
-        speculate: u32,
+        config: SchedulerConfig,
         rx: mpsc::UnboundedReceiver<Entry>,
         state: Arc<RouterState>,
     ) -> Self {
@@ -58,35 +80,42 @@ impl Scheduler {
             .collect();
         Self {
             client,
-            allocator,
+            kv,
             tokenizer,
             special_ids,
-            budget,
+            config,
             rx,
             queue: VecDeque::new(),
             running: HashMap::new(),
             batches: Vec::new(),
-            reserved: Reservation::default(),
-            speculate,
             next_batch_id: 0,
+            admissions: 0,
             state,
         }
+    }
+
+    fn enqueue(&mut self, entry: Entry) {
+        let seed = if entry.request.parameters.do_sample {
+            Some(entry.request.seed.unwrap_or_else(|| rand::rng().random()))
+        } else {
+            entry.request.seed
+        };
+        self.queue.push_back(Sequence::new(entry, seed));
     }
 
     pub async fn run(mut self) {
         loop {
             if self.running.is_empty() && self.queue.is_empty() {
                 match self.rx.recv().await {
-                    Some(e) => self.queue.push_back(e),
+                    Some(e) => self.enqueue(e),
                     None => break,
                 }
             }
             while let Ok(e) = self.rx.try_recv() {
-                self.queue.push_back(e);
+                self.enqueue(e);
             }
-            self.queue.retain(|e| !e.is_cancelled());
-            let step = self.step().await;
-            if let Err(err) = step {
+            self.queue.retain(|s| !s.entry.is_cancelled());
+            if let Err(err) = self.step().await {
                 self.fail_all(err).await;
             }
             self.publish();
@@ -105,83 +134,164 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Groups the queue into admission units: a request, or all forks of one
+    /// `n`/`best_of` request (they arrive together and go together).
+    fn units(&self) -> Vec<std::ops::Range<usize>> {
+        let mut units = Vec::new();
+        let mut start = 0;
+        while start < self.queue.len() {
+            let group = self.queue[start].entry.group;
+            let mut end = start + 1;
+            while group.is_some() && end < self.queue.len() && self.queue[end].entry.group == group {
+                end += 1;
+            }
+            units.push(start..end);
+            start = end;
+        }
+        units
+    }
+
+    fn candidate(&self, unit: &std::ops::Range<usize>) -> Candidate {
+        let bs = self.kv.block_size();
+        let leader = &self.queue[unit.start];
+        let len = leader.tokens.len() as u32;
+        let blocks = self.kv.blocks_for(len);
+        let cached = self.kv.peek_prefix(&leader.tokens).min(blocks);
+        let forks = unit.len() as u32 - 1;
+        let shared = fork_shared_blocks(len, bs);
+        Candidate {
+            sequences: unit.len() as u32,
+            prefill_tokens: (len - cached * bs) + forks * (len - shared * bs),
+            tokens: len as u64 * unit.len() as u64,
+            // Taking a cached prefix can use up reclaimable blocks too, so the
+            // cached part counts against availability as well.
+            new_blocks: blocks + forks * (blocks - shared),
+        }
+    }
+
     /// Takes from the queue what fits, with blocks for each prompt.
-    fn next_prefill(&mut self) -> Vec<Sequence> {
-        let candidates: Vec<Candidate> = self
-            .queue
-            .iter()
-            .map(|e| {
-                let input_len = e.request.input_ids.len() as u32;
-                Candidate {
-                    prefill_tokens: input_len,
-                    // Speculation writes up to `speculate` slots past the last token.
-                    reservation: Reservation::of(&self.budget, input_len, e.request.max_new_tokens + self.speculate),
+    fn next_prefill(&mut self) -> Vec<Admitted> {
+        if self.queue.is_empty() {
+            return Vec::new();
+        }
+        if self.config.order == AdmissionOrder::LongestPrefix {
+            self.sort_queue_by_cached_prefix();
+        }
+        let units = self.units();
+        let candidates: Vec<Candidate> = units.iter().map(|u| self.candidate(u)).collect();
+        let running = Running {
+            sequences: self.running.len() as u32,
+            tokens: self.running.values().map(|s| s.tokens.len() as u64).sum(),
+            available_blocks: self.kv.available(),
+        };
+        let n = admit(&self.config.budget, running, &candidates);
+        let take = if n == 0 { 0 } else { units[n - 1].end };
+        let bs = self.kv.block_size();
+        let mut admitted: Vec<Admitted> = Vec::with_capacity(take);
+        let mut taken: VecDeque<Sequence> = self.queue.drain(..take).collect();
+        while let Some(mut seq) = taken.pop_front() {
+            let len = seq.tokens.len() as u32;
+            let mut blocks = self.kv.acquire_prefix(&seq.tokens);
+            // Prompts of this same prefill that share a longer prefix (forks of
+            // `n`/`best_of`, a common system prompt arriving at once) share the
+            // earlier one's blocks: the shard writes them before anyone reads.
+            let limit = fork_shared_blocks(len, bs);
+            let caching = self.kv.prefix_caching();
+            let best = admitted
+                .iter()
+                // Without prefix caching only forks of one request share.
+                .filter(|a| caching || (seq.entry.group.is_some() && a.seq.entry.group == seq.entry.group))
+                .map(|a| (common_blocks(&a.seq.tokens, &seq.tokens, bs).min(limit), a))
+                .max_by_key(|(m, _)| *m);
+            if let Some((m, a)) = best {
+                if m > blocks.len() {
+                    blocks = a.seq.blocks.as_ref().expect("admitted").share_prefix(m);
                 }
-            })
-            .collect();
-        let n = admit(&self.budget, self.running.len() as u32, self.reserved, &candidates);
-        let mut admitted = Vec::with_capacity(n);
-        for c in candidates.into_iter().take(n) {
-            let entry = self.queue.pop_front().expect("admitted entry is queued");
-            let input_len = entry.request.input_ids.len() as u32;
-            // Reservations guarantee the pool holds every admitted worst case.
-            let blocks = self
-                .allocator
-                .allocate(self.allocator.blocks_for(input_len))
-                .expect("reserved blocks are free");
-            let seed = if entry.request.parameters.do_sample {
-                Some(entry.request.seed.unwrap_or_else(|| rand::rng().random()))
-            } else {
-                entry.request.seed
-            };
-            self.reserved.add(c.reservation);
-            admitted.push(Sequence::new(entry, blocks, c.reservation, seed));
+            }
+            let cache_len = blocks.len() * bs;
+            if !blocks.ensure_capacity(len) {
+                // Admission estimates are conservative; should one still fall
+                // short, the rest waits for the next step rather than failing.
+                drop(blocks);
+                taken.push_front(seq);
+                while let Some(s) = taken.pop_back() {
+                    self.queue.push_front(s);
+                }
+                break;
+            }
+            seq.blocks = Some(blocks);
+            self.admissions += 1;
+            seq.admitted_at = self.admissions;
+            admitted.push(Admitted { seq, cache_len });
         }
         admitted
     }
 
-    async fn prefill(&mut self, seqs: Vec<Sequence>) -> Result<(), RouterError> {
+    fn sort_queue_by_cached_prefix(&mut self) {
+        let units = self.units();
+        let mut keyed: Vec<(u32, Vec<Sequence>)> = Vec::with_capacity(units.len());
+        let hits: Vec<u32> = units.iter().map(|u| self.kv.peek_prefix(&self.queue[u.start].tokens)).collect();
+        let mut drained: VecDeque<Sequence> = self.queue.drain(..).collect();
+        for (u, hit) in units.iter().zip(hits) {
+            keyed.push((hit, drained.drain(..u.len()).collect()));
+        }
+        // Stable: equal hits keep arrival order.
+        keyed.sort_by_key(|(hit, _)| std::cmp::Reverse(*hit));
+        self.queue = keyed.into_iter().flat_map(|(_, seqs)| seqs).collect();
+    }
+
+    async fn prefill(&mut self, admitted: Vec<Admitted>) -> Result<(), RouterError> {
         let id = self.next_batch_id;
         self.next_batch_id += 1;
-        let requests = seqs
-            .iter()
-            .map(|s| {
-                let r = &s.entry.request;
-                let len = r.input_ids.len() as u32;
-                let mut parameters = r.parameters;
-                if let Some(seed) = s.seed {
-                    parameters.seed = seed;
-                    parameters.has_seed = true;
-                }
-                pb::Request {
-                    id: s.id(),
-                    input_ids: r.input_ids.clone(),
-                    cache_len: 0,
-                    block_table: s.blocks.ids().to_vec(),
-                    slots: s.blocks.slots(0, len),
-                    parameters: Some(parameters),
-                    stopping_parameters: Some(pb::StoppingCriteriaParameters {
-                        max_new_tokens: r.max_new_tokens,
-                        ignore_eos_token: r.ignore_eos,
-                    }),
-                    top_n_tokens: r.top_n_tokens,
-                    prefill_logprobs: r.decoder_input_details,
-                    generated_len: 0,
-                    grammar: r.grammar.clone(),
-                }
-            })
-            .collect();
-        let prefill_tokens: u64 = seqs.iter().map(|s| s.entry.request.input_ids.len() as u64).sum();
-        for mut s in seqs {
-            s.seq_len = s.entry.request.input_ids.len() as u32;
-            self.running.insert(s.id(), s);
+        let mut requests = Vec::with_capacity(admitted.len());
+        let (mut computed, mut hits) = (0u64, 0u64);
+        for Admitted { mut seq, cache_len } in admitted {
+            let len = seq.tokens.len() as u32;
+            let blocks = seq.blocks.as_ref().expect("admitted sequence has blocks");
+            let r = &seq.entry.request;
+            let mut parameters = r.parameters;
+            if let Some(seed) = seq.seed {
+                parameters.seed = seed;
+                parameters.has_seed = true;
+            }
+            requests.push(pb::Request {
+                id: seq.id(),
+                input_ids: seq.tokens.clone(),
+                cache_len,
+                block_table: blocks.ids().to_vec(),
+                slots: blocks.slots(cache_len, len),
+                parameters: Some(parameters),
+                stopping_parameters: Some(pb::StoppingCriteriaParameters {
+                    max_new_tokens: seq.remaining_new_tokens(),
+                    ignore_eos_token: r.ignore_eos,
+                }),
+                top_n_tokens: r.top_n_tokens,
+                // A resumed sequence already sent its prompt details.
+                prefill_logprobs: r.decoder_input_details && seq.preemptions == 0,
+                generated_len: seq.generated_tokens,
+                grammar: r.grammar.clone(),
+            });
+            computed += (len - cache_len) as u64;
+            hits += cache_len as u64;
+            seq.seq_len = len;
+            self.running.insert(seq.id(), seq);
         }
-        let batch = pb::Batch { id, requests };
+        let ids: Vec<u64> = requests.iter().map(|r| r.id).collect();
         let resp = self
             .client
-            .prefill(pb::PrefillRequest { batch: Some(batch) })
+            .prefill(pb::PrefillRequest {
+                batch: Some(pb::Batch { id, requests }),
+            })
             .await?;
-        RouterState::add(&self.state.prefill_tokens_total, prefill_tokens);
+        RouterState::add(&self.state.prefill_tokens_total, computed);
+        RouterState::add(&self.state.prefix_hit_tokens_total, hits);
+        // The shard confirmed these prompts' KV: their full blocks may be shared now.
+        for id in &ids {
+            if let Some(s) = self.running.get(id) {
+                let blocks = s.blocks.as_ref().expect("running sequence has blocks");
+                self.kv.commit(blocks, &s.tokens[..s.seq_len as usize]);
+            }
+        }
         let ended = self.apply_generations(&resp.generations, true);
         if let Some(b) = resp.batch {
             self.batches.push(b);
@@ -191,18 +301,28 @@ impl Scheduler {
 
     async fn decode(&mut self) -> Result<(), RouterError> {
         let started = Instant::now();
+        let preempted = self.grow_or_preempt();
+        if !preempted.is_empty() {
+            RouterState::add(&self.state.preemptions_total, preempted.len() as u64);
+            let ids = preempted.iter().map(|s| s.id()).collect();
+            // Oldest first at the head of the queue: they resume before new work.
+            for s in preempted.into_iter().rev() {
+                self.queue.push_front(s);
+            }
+            self.filter(ids).await?;
+        }
+        if self.running.is_empty() {
+            return Ok(());
+        }
         let mut slots = Vec::with_capacity(self.running.len());
         for b in &self.batches {
             for id in &b.request_ids {
-                let s = self.running.get_mut(id).expect("cached request is running");
-                // Grow only when this step's tokens cross a block boundary.
-                let end = s.seq_len + 1 + self.speculate;
-                let grown = s.blocks.ensure_capacity(end);
-                assert!(grown, "reserved blocks are free");
+                let s = &self.running[id];
+                let blocks = s.blocks.as_ref().expect("running sequence has blocks");
                 slots.push(pb::RequestSlots {
                     request_id: *id,
-                    block_table: s.blocks.ids().to_vec(),
-                    slots: s.blocks.slots(s.seq_len, end),
+                    block_table: blocks.ids().to_vec(),
+                    slots: blocks.slots(s.seq_len, s.seq_len + 1 + self.config.speculate),
                 });
             }
         }
@@ -213,7 +333,7 @@ impl Scheduler {
         let resp = self.client.decode(req).await?;
         // The KV of the fed token and of every accepted proposal is now valid:
         // one position per returned token. Slots written past that (rejected
-        // proposals) are simply overwritten by later steps.
+        // proposals) are overwritten by later steps.
         for g in &resp.generations {
             if let Some(s) = self.running.get_mut(&g.request_id) {
                 s.seq_len += g.tokens.as_ref().map_or(1, |t| t.ids.len() as u32);
@@ -242,7 +362,7 @@ impl Scheduler {
             let Some(seq) = self.running.get_mut(&g.request_id) else {
                 continue;
             };
-            if prefill && seq.entry.request.decoder_input_details {
+            if prefill && seq.entry.request.decoder_input_details && seq.preemptions == 0 {
                 if let Some(t) = &g.prefill_tokens {
                     seq.send_prefill_tokens(&ctx, t);
                 }
@@ -250,7 +370,7 @@ impl Scheduler {
             generated += g.tokens.as_ref().map_or(0, |t| t.ids.len() as u64);
             match seq.apply(&ctx, g) {
                 Outcome::Running => {}
-                Outcome::FinishedByShard => finished.push(g.request_id),
+                Outcome::FinishedByShard | Outcome::Failed => finished.push(g.request_id),
                 Outcome::EndedByRouter => ended.push(g.request_id),
             }
         }
@@ -261,10 +381,13 @@ impl Scheduler {
         ended
     }
 
-    /// Removes a sequence; dropping it returns its blocks to the pool.
+    /// Removes a sequence, keeping its computed blocks in the prefix cache;
+    /// dropping it releases its references.
     fn finish(&mut self, id: u64) {
         if let Some(s) = self.running.remove(&id) {
-            self.reserved.sub(s.reservation);
+            if let Some(blocks) = &s.blocks {
+                self.kv.commit(blocks, &s.tokens[..(s.seq_len as usize).min(s.tokens.len())]);
+            }
         }
     }
 
@@ -273,16 +396,11 @@ impl Scheduler {
         if ended.is_empty() {
             return Ok(());
         }
-        let mut kept_batches = Vec::with_capacity(self.batches.len());
+        let mut kept = Vec::with_capacity(self.batches.len());
         for b in std::mem::take(&mut self.batches) {
-            let keep: Vec<u64> = b
-                .request_ids
-                .iter()
-                .copied()
-                .filter(|id| self.running.contains_key(id))
-                .collect();
+            let keep: Vec<u64> = b.request_ids.iter().copied().filter(|id| self.running.contains_key(id)).collect();
             if keep.len() == b.request_ids.len() {
-                kept_batches.push(b);
+                kept.push(b);
             } else if keep.is_empty() {
                 self.client.clear_cache(Some(b.id)).await?;
             } else {
@@ -293,23 +411,16 @@ impl Scheduler {
                         request_ids: keep,
                     })
                     .await?;
-                if let Some(nb) = resp.batch {
-                    kept_batches.push(nb);
-                }
+                kept.extend(resp.batch);
             }
         }
-        self.batches = kept_batches;
+        self.batches = kept;
         Ok(())
     }
 
     /// Clients that went away free their blocks before the next step runs.
     async fn drop_cancelled(&mut self) -> Result<(), RouterError> {
-        let gone: Vec<u64> = self
-            .running
-            .values()
-            .filter(|s| s.entry.is_cancelled())
-            .map(|s| s.id())
-            .collect();
+        let gone: Vec<u64> = self.running.values().filter(|s| s.entry.is_cancelled()).map(|s| s.id()).collect();
         if gone.is_empty() {
             return Ok(());
         }
@@ -326,10 +437,9 @@ impl Scheduler {
         self.state.healthy.store(false, std::sync::atomic::Ordering::Relaxed);
         let n = self.running.len() as u64;
         for (_, s) in self.running.drain() {
-            let _ = s.entry.response_tx.send(Err(err.clone()));
+            s.fail(err.clone());
         }
         RouterState::add(&self.state.requests_failed, n);
-        self.reserved = Reservation::default();
         self.batches.clear();
         // Best effort: a shard that is still alive should not keep stale batches.
         let _ = self.client.clear_cache(None).await;
@@ -337,8 +447,27 @@ impl Scheduler {
 
     fn publish(&self) {
         let st = &self.state;
+        let kv = self.kv.stats();
         RouterState::set(&st.queue_size, self.queue.len() as u64);
         RouterState::set(&st.batch_size, self.running.len() as u64);
-        RouterState::set(&st.kv_blocks_free, self.allocator.free_blocks() as u64);
+        RouterState::set(&st.kv_blocks_free, (kv.free + kv.cached_unused) as u64);
+        RouterState::set(&st.kv_blocks_cached, kv.cached as u64);
+        // Slots holding real tokens over slots allocated to running sequences.
+        let held = kv.used() as u64 * self.kv.block_size() as u64;
+        let real: u64 = self.running.values().map(|s| s.seq_len as u64).sum();
+        let ppm = if held == 0 { 0 } else { (real.min(held) * 1_000_000) / held };
+        RouterState::set(&st.kv_utilization_ppm, ppm);
     }
+}
+
+/// Full prompt blocks a fork shares with its leader: at least one token is
+/// left for the fork to compute, since its first token is sampled from it.
+fn fork_shared_blocks(len: u32, block_size: u32) -> u32 {
+    len.saturating_sub(1) / block_size
+}
+
+/// Number of leading full blocks two token sequences have in common.
+fn common_blocks(a: &[u32], b: &[u32], block_size: u32) -> u32 {
+    let same = a.iter().zip(b).take_while(|(x, y)| x == y).count() as u32;
+    same / block_size
 }

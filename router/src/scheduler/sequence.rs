@@ -5,7 +5,6 @@ use std::time::Instant;
 
 use tokenizers::Tokenizer;
 
-use super::admission::Reservation;
 use crate::detokenize::IncrementalDecoder;
 use crate::http::types::{FinishReason, PrefillToken, Token};
 use crate::kv::KvBlocks;
@@ -22,17 +21,24 @@ pub enum Outcome {
     /// The router ended it (stop sequence, client gone): the shard still holds
     /// it and must be told to filter it out.
     EndedByRouter,
+    /// The shard could not serve this request alone and dropped it.
+    Failed,
 }
 
 pub struct Sequence {
     pub entry: Entry,
-    pub blocks: KvBlocks,
+    /// Prompt then every generated token: what a resumed sequence recomputes.
+    pub tokens: Vec<u32>,
+    /// None while queued (new, or preempted and waiting to resume).
+    pub blocks: Option<KvBlocks>,
     /// Tokens whose KV is written in `blocks`.
     pub seq_len: u32,
     pub generated_tokens: u32,
-    pub reservation: Reservation,
     pub seed: Option<u64>,
     pub started_at: Instant,
+    /// Admission order; the newest running sequence is preempted first.
+    pub admitted_at: u64,
+    pub preemptions: u32,
     decoder: IncrementalDecoder,
     stop: StopMatcher,
     output: String,
@@ -59,17 +65,19 @@ impl TextContext<'_> {
 }
 
 impl Sequence {
-    pub fn new(entry: Entry, blocks: KvBlocks, reservation: Reservation, seed: Option<u64>) -> Self {
+    pub fn new(entry: Entry, seed: Option<u64>) -> Self {
         let decoder = IncrementalDecoder::new(&entry.request.input_ids);
         let stop = StopMatcher::new(entry.request.stop_sequences.clone());
         Self {
+            tokens: entry.request.input_ids.clone(),
             entry,
-            blocks,
+            blocks: None,
             seq_len: 0,
             generated_tokens: 0,
-            reservation,
             seed,
             started_at: Instant::now(),
+            admitted_at: 0,
+            preemptions: 0,
             decoder,
             stop,
             output: String::new(),
@@ -78,6 +86,14 @@ impl Sequence {
 
     pub fn id(&self) -> u64 {
         self.entry.id
+    }
+
+    pub fn remaining_new_tokens(&self) -> u32 {
+        self.entry.request.max_new_tokens.saturating_sub(self.generated_tokens)
+    }
+
+    pub fn fail(&self, err: crate::error::RouterError) {
+        let _ = self.entry.response_tx.send(Err(err));
     }
 
     fn send(&self, msg: InferStreamResponse) -> bool {
@@ -100,12 +116,17 @@ impl Sequence {
 
     /// Applies one generation (one token, or several with speculation).
     pub fn apply(&mut self, ctx: &TextContext, generation: &pb::Generation) -> Outcome {
+        if !generation.error.is_empty() {
+            self.fail(crate::error::RouterError::Validation(generation.error.clone()));
+            return Outcome::Failed;
+        }
         let Some(tokens) = generation.tokens.as_ref() else {
             return Outcome::Running;
         };
         let n = tokens.ids.len();
         for (i, &id) in tokens.ids.iter().enumerate() {
             self.generated_tokens += 1;
+            self.tokens.push(id);
             let logprob = tokens.logprobs.get(i).copied().unwrap_or(f32::NAN);
             let top_tokens = generation
                 .top_tokens

@@ -8,6 +8,7 @@ Outputs are [T, heads, head_dim] in q's dtype.
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import Protocol
 
 import torch
@@ -15,6 +16,9 @@ import torch
 from pagemill.attention.metadata import AttentionMetadata
 
 BACKEND_NAMES = ("auto", "torch", "flash", "triton")
+
+log = logging.getLogger(__name__)
+_LOGGED: set[str] = set()  # auto logs each distinct choice once per process
 
 
 class AttentionBackend(Protocol):
@@ -57,21 +61,75 @@ class AttentionBackend(Protocol):
 
 
 def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
-    """Returns the backend called `name` for `device`, or raises a clear error.
+    """Returns the backend called `name` for `device`, or raises a clear error naming what is missing.
 
-    "auto" is torch for now on every device; flash and triton arrive later and
-    "auto" will prefer them on CUDA then.
+    "auto" takes flash, else triton on CUDA, and torch everywhere else.
     """
     device = torch.device(device)
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
-    if name in ("auto", "torch"):
-        from pagemill.attention.torch_backend import TorchAttentionBackend
+    if name == "torch":
+        return _torch()
+    if name == "flash":
+        return _flash(device)
+    if name == "triton":
+        return _triton(device)
+    chosen, why = None, f"the shard runs on {device.type!r}"
+    if device.type == "cuda":
+        skipped = []
+        for make in (_flash, _triton):
+            try:
+                chosen = make(device)
+                break
+            except RuntimeError as e:
+                skipped.append(str(e))
+        why = "; ".join(skipped) or "flash-attn is available"
+    chosen = chosen or _torch()
+    message = f"attention backend: auto chose {chosen.name!r} ({why})"
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        log.info(message)
+    return chosen
 
-        return TorchAttentionBackend()
-    package = {"flash": "flash_attn", "triton": "triton"}[name]
+
+def _torch() -> AttentionBackend:
+    from pagemill.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend()
+
+
+def _missing_cuda(device: torch.device) -> str | None:
     if device.type != "cuda":
-        raise RuntimeError(f"attention backend {name!r} needs a CUDA device, but the shard runs on {device.type!r}")
-    if importlib.util.find_spec(package) is None:
-        raise RuntimeError(f"attention backend {name!r} needs the {package!r} package, which is not installed")
-    raise NotImplementedError(f"attention backend {name!r} is not implemented yet; use 'torch' or 'auto'")
+        return f"a CUDA device (the shard runs on {device.type!r})"
+    if not torch.cuda.is_available():
+        return "a CUDA device (torch.cuda.is_available() is False)"
+    return None
+
+
+def _triton(device: torch.device) -> AttentionBackend:
+    if importlib.util.find_spec("triton") is None:
+        raise RuntimeError("attention backend 'triton' needs the 'triton' package, which is not installed")
+    import triton
+
+    cuda = _missing_cuda(device)
+    # The interpreter runs the same kernels on CPU tensors: for debugging, far too slow to serve.
+    if cuda is not None and not triton.knobs.runtime.interpret:
+        raise RuntimeError(f"attention backend 'triton' needs {cuda}, or TRITON_INTERPRET=1 to run its kernels "
+                           "in Triton's CPU interpreter")  # fmt: skip
+    from pagemill.attention.triton_backend import TritonAttentionBackend
+
+    return TritonAttentionBackend(device)
+
+
+def _flash(device: torch.device) -> AttentionBackend:
+    missing = [m for m in (_missing_cuda(device),) if m]
+    try:
+        import flash_attn
+    except (ImportError, OSError) as e:  # OSError: installed but built against another torch/CUDA
+        missing.append(f"the flash-attn package (import flash_attn failed: {e})")
+    if missing:
+        raise RuntimeError(f"attention backend 'flash' needs {' and '.join(missing)}")
+    from pagemill.attention.flash_backend import FlashAttentionBackend
+
+    # KV writes and what flash-attn cannot page (small blocks, float32) run on Triton.
+    return FlashAttentionBackend(flash_attn, _triton(device))

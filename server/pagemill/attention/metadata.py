@@ -7,8 +7,8 @@ the paged KV pool, reachable through block_tables[i].
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Sequence
 
 import torch
 
@@ -27,6 +27,10 @@ class AttentionMetadata:
     # over sequences does not synchronise with the device for every .item().
     query_lens: list[int]
     kv_lens: list[int]
+    # Tensors a backend derives from the fields above (index dtypes, masks).
+    # They are the same in every layer, so a backend builds them in the first
+    # layer of a forward and reuses them in the others.
+    derived: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def num_seqs(self) -> int:

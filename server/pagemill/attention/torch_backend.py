@@ -3,8 +3,9 @@
 Clarity over speed: prefill loops over sequences (varlen, no padding) and
 gathers a sequence's keys through its block table only when part of it was
 cached before this step; decode gathers every sequence's blocks at once and
-masks positions past context_lens. GQA is left to SDPA's enable_gqa, which
-maps query head h to kv head h // (heads // kv_heads), as HF's repeat_kv does.
+masks positions past context_lens. GQA maps query head h to kv head
+h // (heads // kv_heads), as HF's repeat_kv does: prefill through SDPA's
+enable_gqa, decode by folding each kv head's query heads into query rows.
 """
 
 from __future__ import annotations
@@ -51,22 +52,54 @@ class TorchAttentionBackend:
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         batch, width = meta.block_tables.shape
         block_size, kv_heads, head_dim = k_cache.shape[1:]
-        tables = meta.block_tables.long()
-        # [B, W, block_size, kvh, D] -> [B, kvh, W * block_size, D]
-        keys = k_cache[tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        values = v_cache[tables].reshape(batch, width * block_size, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        positions = torch.arange(width * block_size, device=q.device)
+        tables, mask, length = _decode_indices(meta, block_size)
+        # [B, W, block_size, kvh, D] -> [B, kvh, length, D]. The gather copies
+        # only the blocks in the (padded) tables, once per layer.
+        shape = (batch, width * block_size, kv_heads, head_dim)
+        keys = _rows(k_cache, tables).view(shape)[:, :length].transpose(1, 2).to(q.dtype)
+        values = _rows(v_cache, tables).view(shape)[:, :length].transpose(1, 2).to(q.dtype)
+        # GQA without expanding K/V: the heads // kv_heads query heads that
+        # share a kv head (h -> h // group, as HF's repeat_kv) become that kv
+        # head's "query rows". One token each, so the same mask row holds for
+        # all of them. Faster on CPU than SDPA's enable_gqa (measured 1.2-1.6x).
+        group = q.shape[1] // kv_heads
+        out = F.scaled_dot_product_attention(
+            q.view(batch, kv_heads, group, head_dim), keys, values, attn_mask=mask, scale=scale
+        )
+        return out.reshape(batch, kv_heads * group, head_dim)
+
+
+def _decode_indices(meta: AttentionMetadata, block_size: int):
+    """(int64 block tables, attention mask or None, keys kept), built once per forward."""
+    cached = meta.derived.get("decode")
+    if cached is not None:
+        return cached
+    batch, width = meta.block_tables.shape
+    tables, length = meta.block_tables.long(), width * block_size
+    if batch == 1 or all(n == length for n in meta.kv_lens):
+        # One sequence: keep exactly its keys; or every table is full. No mask
+        # lets SDPA take its unmasked path.
+        length, mask = max(meta.kv_lens), None
+    else:
+        positions = torch.arange(width * block_size, device=tables.device)
         # Padding blocks (id 0) and the tail of the last block are masked out.
         mask = (positions[None, :] < meta.context_lens[:, None].long())[:, None, None, :]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(2), keys, values, attn_mask=mask, scale=scale, enable_gqa=keys.shape[1] != q.shape[1]
-        )
-        return out.squeeze(2)
+    meta.derived["decode"] = tables, mask, length
+    return tables, mask, length
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, length: int) -> torch.Tensor:
     """The first `length` entries of a sequence, [length, kv_heads, head_dim]."""
-    return cache[blocks].flatten(0, 1)[:length]
+    return _rows(cache, blocks).flatten(0, 1)[:length]
+
+
+def _rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
+    """cache[blocks] for int64 block ids of any shape: [*blocks.shape, block_size, kvh, D].
+
+    index_select on the flattened ids, not advanced indexing: the same copy,
+    2-4x faster on CPU (measured for 64 x 17 blocks of 16 x 3 x 64 floats).
+    """
+    return cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
 
 
 def _sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over packed tokens.
 
 The module tree and parameter names mirror Hugging Face's LlamaForCausalLM,
-so a checkpoint's state dict loads without renaming. Unlike HF there is no
+except that q/k/v and gate/up projections are fused into one parameter each
+(STACKED_PARAMS); the loader copies the checkpoint's tensors into their rows.
+Unlike HF there is no
 batch dimension: all sequences of a step are packed into one [T] axis and
 attention finds each sequence's history in the paged KV pool.
 """
@@ -17,8 +19,19 @@ from pagemill.attention.backend import AttentionBackend
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.models.config import ModelConfig
 from pagemill.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
+from pagemill.models.packed_linear import PackedLinear, pack_all
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache) of one layer
+
+# Checkpoint projections stored as row ranges of one fused parameter:
+# HF module name -> (our module name, index of its part in the fused rows).
+STACKED_PARAMS = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
 
 
 class Attention(nn.Module):
@@ -30,16 +43,20 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self.backend = backend
         h, bias = config.hidden_size, config.attention_bias
-        self.q_proj = nn.Linear(h, self.num_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * self.head_dim, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # q, k and v in one matmul (one pass over x, one call); the loader
+        # fills the checkpoint's q_proj/k_proj/v_proj rows (STACKED_PARAMS).
+        self.qkv_sizes = [q_size, kv_size, kv_size]
+        self.qkv_proj = PackedLinear(h, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = PackedLinear(q_size, h, bias=False)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary(self.q_proj(x).view(t, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rotary(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        # q and k heads are adjacent in the fused output: one rotary for both.
+        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
@@ -88,7 +105,7 @@ class LlamaForCausalLM(nn.Module):
             backend = TorchAttentionBackend()
         self.config = config
         self.model = LlamaModel(config, backend)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -98,6 +115,25 @@ class LlamaForCausalLM(nn.Module):
         """
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_weights(self) -> int:
+        """Builds the CPU-packed weight copies (see packed_linear); call after loading."""
+        return pack_all(self)
+
+    def stacked_parts(self, name: str) -> tuple[str, int, int] | None:
+        """Checkpoint tensor name -> (our parameter, first row, row count), for fused projections."""
+        prefix, dot, leaf = name.rpartition(".")  # leaf: weight / bias
+        for hf, (ours, part) in STACKED_PARAMS.items():
+            if prefix.endswith("." + hf):
+                layer = prefix[: -len(hf)]
+                sizes = self._part_sizes(ours)
+                return f"{layer}{ours}.{leaf}", sum(sizes[:part]), sizes[part]
+        return None
+
+    def _part_sizes(self, fused: str) -> list[int]:
+        if fused == "self_attn.qkv_proj":
+            return self.model.layers[0].self_attn.qkv_sizes
+        return [self.config.intermediate_size] * 2
 
     def set_backend(self, backend: AttentionBackend) -> None:
         for layer in self.model.layers:

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from pagemill.attention.backend import AttentionBackend
 from pagemill.models.config import ModelConfig
-from pagemill.models.llama import LlamaForCausalLM
+from pagemill.models.llama import STACKED_PARAMS, LlamaForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +63,7 @@ def load_model(
     model.tie_weights()  # to_empty created fresh parameters
     load_weights(model, safetensors_files(model_dir))
     model.eval().requires_grad_(False)
+    model.pack_weights()  # CPU float32 only; see models/packed_linear.py
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
         log.warning(
             "sliding_window=%d is not applied by the attention backends; sequences longer than it "
@@ -76,6 +77,8 @@ def load_model(
 def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.config.tie_word_embeddings
+    # What a complete checkpoint holds, in its own (HF) names.
+    expected = _checkpoint_names(model, params)
     loaded: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -84,22 +87,38 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
                     continue
                 if tied and name == "lm_head.weight":
                     continue  # the embedding is the output projection
-                param = params.get(name)
-                if param is None:
+                stacked = model.stacked_parts(name)
+                target = stacked[0] if stacked else name
+                param = params.get(target)
+                if param is None or name not in expected:
                     log.warning("ignoring checkpoint tensor %s (no such parameter)", name)
                     continue
+                dest = param.narrow(0, stacked[1], stacked[2]) if stacked else param
                 tensor = f.get_tensor(name)
-                if tensor.shape != param.shape:
+                if tensor.shape != dest.shape:
                     raise ValueError(
-                        f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}"
+                        f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
                     )
-                param.copy_(tensor)  # casts to the model dtype and device
+                dest.copy_(tensor)  # casts to the model dtype and device
                 loaded.add(name)
     if tied and "model.embed_tokens.weight" in loaded:
         loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+    missing = sorted(expected - loaded)
     if missing:
         hint = " (set tie_word_embeddings in config.json if lm_head shares the embedding)" if missing == [
             "lm_head.weight"
         ] else ""
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {', '.join(missing[:8])}{hint}")
+
+
+def _checkpoint_names(model: LlamaForCausalLM, params: dict) -> set[str]:
+    """Our parameter names with each fused parameter replaced by its HF parts."""
+    names = set(params)
+    for layer in range(len(model.model.layers)):
+        for hf, (ours, _) in STACKED_PARAMS.items():
+            for leaf in ("weight", "bias"):
+                fused = f"model.layers.{layer}.{ours}.{leaf}"
+                if fused in params:
+                    names.discard(fused)
+                    names.add(f"model.layers.{layer}.{hf}.{leaf}")
+    return names

@@ -1,6 +1,9 @@
 """Per-request sampling controls and the batched sampler."""
 
 from pagemill.sampling.params import SamplingParams
-from pagemill.sampling.sampler import Sampler, SamplerOutput
+from pagemill.sampling.penalties import PenaltyState, apply_penalties
+from pagemill.sampling.sampler import GrammarMask, Sampler, SamplerOutput
+from pagemill.sampling.warpers import apply_warpers
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingParams"]
+__all__ = ["GrammarMask", "PenaltyState", "Sampler", "SamplerOutput", "SamplingParams", "apply_penalties",
+           "apply_warpers"]

@@ -17,6 +17,7 @@ import torch
 from pagemill.attention.metadata import AttentionMetadata, make_metadata
 from pagemill.proto import pb
 from pagemill.sampling.params import SamplingParams
+from pagemill.sampling.penalties import PenaltyState
 from pagemill.shard.errors import invalid
 
 
@@ -35,6 +36,10 @@ class RequestState:
     prefill_logprobs: bool
     prefill_slots: list[int] = field(default_factory=list)  # slots of token_ids[cache_len:] at prefill
     generated: int = 0
+    penalties: PenaltyState | None = None  # incremental counts, when params.has_penalties
+    grammar: object | None = None  # grammar.GrammarState of a constrained request
+    error: str | None = None  # set when this request alone cannot go on; it is then dropped
+    draft_len: int = 0  # leading token_ids whose KV the draft model's pool holds
 
     @property
     def seq_len(self) -> int:
@@ -97,6 +102,9 @@ def request_from_pb(r, *, block_size: int, num_blocks: int, vocab_size: int, dev
     if params.seed is not None and not params.greedy:
         generator = torch.Generator(device=device)
         generator.manual_seed(params.seed)
+    penalties = None
+    if params.has_penalties:
+        penalties = PenaltyState.from_tokens(r.input_ids, n - r.generated_len, vocab_size, device)
     return RequestState(
         id=r.id,
         token_ids=list(r.input_ids),
@@ -110,6 +118,7 @@ def request_from_pb(r, *, block_size: int, num_blocks: int, vocab_size: int, dev
         top_n=r.top_n_tokens,
         prefill_logprobs=r.prefill_logprobs,
         prefill_slots=list(r.slots),
+        penalties=penalties,
     )
 
 
@@ -167,11 +176,14 @@ class ShardBatch:
         )
         return _inputs(ids, positions, meta, last_rows, device)
 
-    def assign_decode_slots(self, slots: Sequence, *, block_size: int, num_blocks: int) -> list[int]:
+    def assign_decode_slots(
+        self, slots: Sequence, *, block_size: int, num_blocks: int, speculate: int = 0
+    ) -> list[list[int]]:
         """Checks the router's pb.RequestSlots and adopts their block tables.
 
-        Returns the slot of each request's new token, in batch order. Raises
-        before changing anything when one entry is wrong.
+        Returns each request's speculate + 1 slots (positions seq_len - 1 ..
+        seq_len - 1 + speculate), in batch order. Raises before changing
+        anything when one entry is wrong.
         """
         by_id = {}
         for s in slots:
@@ -185,16 +197,19 @@ class ShardBatch:
         for r in self.requests:
             s = by_id[r.id]
             table, pos = list(s.block_table), r.seq_len - 1  # position of the token fed this step
-            _check_table(r.id, table, pos // block_size + 1, num_blocks)
+            _check_table(r.id, table, (pos + speculate) // block_size + 1, num_blocks)
             computed = -(-pos // block_size)  # blocks holding KV written earlier must stay put
             if table[:computed] != r.block_table[:computed]:
                 raise invalid(f"request {r.id}: block_table changed blocks that already hold its KV")
-            if len(s.slots) != 1:
-                raise invalid(f"request {r.id}: decode takes exactly 1 slot per request, got {len(s.slots)}")
+            if len(s.slots) != speculate + 1:
+                raise invalid(
+                    f"request {r.id}: decode takes speculate + 1 = {speculate + 1} slots per request, "
+                    f"got {len(s.slots)}"
+                )
             _check_slots(r.id, s.slots, table, pos, block_size)
         for r in self.requests:
             r.block_table = list(by_id[r.id].block_table)
-        return [by_id[r.id].slots[0] for r in self.requests]
+        return [list(by_id[r.id].slots) for r in self.requests]
 
     def decode_inputs(self, slots: Sequence[int], device) -> StepInputs:
         """One token per request: the last one, at position seq_len - 1."""
@@ -208,6 +223,28 @@ class ShardBatch:
         )
         ids = [r.token_ids[-1] for r in self.requests]
         positions = [r.seq_len - 1 for r in self.requests]
+        return _inputs(ids, positions, meta, list(range(len(ids))), device)
+
+
+    def verify_inputs(self, proposals: Sequence[Sequence[int]], slots: Sequence[Sequence[int]], device) -> StepInputs:
+        """Last token plus its proposals per request, as one varlen prefill over the
+        cached context (query_len = 1 + proposals); every row's logits are needed."""
+        ids: list[int] = []
+        positions: list[int] = []
+        flat_slots: list[int] = []
+        for r, props, s in zip(self.requests, proposals, slots):
+            fed = [r.token_ids[-1], *props]
+            ids += fed
+            positions += range(r.seq_len - 1, r.seq_len - 1 + len(fed))
+            flat_slots += s[: len(fed)]
+        meta = make_metadata(
+            is_prefill=True,
+            query_lens=[1 + len(p) for p in proposals],
+            kv_lens=[r.seq_len + len(p) for r, p in zip(self.requests, proposals)],
+            block_tables=[r.block_table for r in self.requests],
+            slot_mapping=flat_slots,
+            device=device,
+        )
         return _inputs(ids, positions, meta, list(range(len(ids))), device)
 
 

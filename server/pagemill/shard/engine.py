@@ -1,9 +1,18 @@
 """ModelRunner: model + KV pool + attention backend + sampler, one step at a time.
 
 The runner computes and reports; the service owns the cached batches. A
-request finishes here on EOS (unless ignore_eos_token) or when it has
-generated max_new_tokens; EOS wins when both hold. Finished requests are
-removed from the batch the runner was given.
+request finishes here on EOS (unless ignore_eos_token; a constrained request
+always ends on the EOS its finished grammar forces) or when it has generated
+max_new_tokens; EOS wins when both hold. A request that alone cannot go on
+(its grammar does not compile) is computed with the others, then answered
+with Generation.error and dropped. Finished requests are removed from the
+batch the runner was given.
+
+With speculate = K > 0 each decode step proposes up to K tokens per request
+(n-gram lookup or a draft model), verifies them in one target forward and
+returns the accepted ones plus one (speculative/verify.py). Requests with
+penalties or a grammar get no proposals: their next-token distribution
+depends on the tokens before it in ways the batched verifier does not model.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ import logging
 import math
 import os
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -19,17 +29,21 @@ import grpc
 import torch
 
 from pagemill.attention.backend import select_backend
-from pagemill.attention.metadata import make_metadata
 from pagemill.config import ShardConfig
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.loader import dtype_name, load_model, parse_dtype
 from pagemill.proto import pb
-from pagemill.sampling.params import SamplingParams
-from pagemill.sampling.sampler import Sampler, SamplerOutput
-from pagemill.shard.batch import RequestState, ShardBatch, StepInputs
+from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMasker
+from pagemill.sampling.sampler import Sampler
+from pagemill.shard.batch import RequestState, ShardBatch
 from pagemill.shard.errors import ShardError
-from pagemill.shard.kv_pool import SCRATCH_BLOCK, KVPool
+from pagemill.shard.generations import Emitted, advance
+from pagemill.shard.kv_pool import KVPool
+from pagemill.shard.warmup import allocate_pools, cuda_budget, dummy_steps
+from pagemill.speculative.draft import DraftProposer
+from pagemill.speculative.ngram import propose_ngram
+from pagemill.speculative.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +52,6 @@ log = logging.getLogger(__name__)
 class StepResult:
     generations: list  # pb.Generation
     forward_ns: int
-
-
-@dataclass
-class _WarmupRow:  # a SamplingRow for the dummy decode of warmup
-    params: SamplingParams
-    generator: None = None
-    token_ids: tuple = (0,)
-    prompt_len: int = 1
-    top_n: int = 0
 
 
 class ModelRunner:
@@ -62,6 +67,9 @@ class ModelRunner:
         model_id: str = "",
         rank: int = 0,
         world_size: int = 1,
+        model_dir: str | None = None,
+        speculate: int = 0,
+        draft: DraftProposer | None = None,
     ) -> None:
         self.model, self.config = model, config
         self.device = torch.device(device)
@@ -74,11 +82,27 @@ class ModelRunner:
         self.eos_ids = frozenset(config.eos_token_ids)
         self.pool: KVPool | None = None
         self.broken: str | None = None  # set when a forward failed unexpectedly
+        if speculate < 0:
+            raise ValueError(f"speculate must be >= 0, got {speculate}")
+        self.speculate, self.draft = speculate, draft
+        if draft is not None and draft.config.vocab_size != config.vocab_size:
+            raise ValueError(
+                f"draft model vocab_size {draft.config.vocab_size} != target vocab_size {config.vocab_size}: "
+                "the draft must share the target's tokenizer"
+            )
+        self.grammars = GrammarCompiler(model_dir, config.vocab_size, config.eos_token_ids)
+        self.masker = GrammarMasker(config.vocab_size, self.device)
 
     @classmethod
     def from_shard_config(cls, cfg: ShardConfig) -> "ModelRunner":
         backend = select_backend(cfg.attention, cfg.device)
         model, config = load_model(cfg.model_dir, parse_dtype(cfg.dtype), cfg.device, backend)
+        draft = None
+        if cfg.speculate > 0 and cfg.speculate_method == "draft":
+            if not cfg.draft_model:
+                raise ValueError("--speculate-method draft needs --draft-model DIR")
+            d_model, d_config = load_model(cfg.draft_model, parse_dtype(cfg.dtype), cfg.device, backend)
+            draft = DraftProposer(d_model, d_config, cfg.device, cfg.block_size)
         return cls(
             model,
             config,
@@ -89,6 +113,9 @@ class ModelRunner:
             model_id=os.path.basename(os.path.normpath(cfg.model_dir)),
             rank=cfg.rank,
             world_size=cfg.world_size,
+            model_dir=cfg.model_dir,
+            speculate=cfg.speculate,
+            draft=draft,
         )
 
     # --- static facts and liveness -------------------------------------------------
@@ -105,6 +132,7 @@ class ModelRunner:
             rank=self.rank,
             world_size=self.world_size,
             attention_backend=self.model.backend.name,
+            speculate=self.speculate,
         )
 
     def health(self) -> None:
@@ -123,18 +151,13 @@ class ModelRunner:
         self.pool = None  # a second warmup replaces the pool (the service drops cached batches)
         start = time.perf_counter_ns()
         try:
-            if self.device.type == "cuda":
-                self.pool = self._size_pool_on_cuda(req)
-            else:
-                self.pool = KVPool.allocate(
-                    self.config, block_size=self.block_size, dtype=self.dtype, device=self.device,
-                    memory_bytes=self.kv_cache_memory,
-                )  # fmt: skip
+            budget = cuda_budget(self, req) if self.device.type == "cuda" else self.kv_cache_memory
+            allocate_pools(self, budget)
         except ValueError as e:  # the budget holds fewer than 2 blocks
             self.pool = None
             raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         if self.device.type != "cuda":
-            self._dummy_steps(req)
+            dummy_steps(self, req)
         elapsed = time.perf_counter_ns() - start
         needed = math.ceil(req.max_total_tokens / self.block_size) + 1
         if self.pool.num_blocks < needed:
@@ -148,92 +171,132 @@ class ModelRunner:
         log.info("warmup: %d KV blocks of %d tokens, %.2fs", self.pool.num_blocks, self.block_size, elapsed / 1e9)
         return pb.WarmupResponse(num_blocks=self.pool.num_blocks, block_size=self.block_size, warmup_ns=elapsed)
 
-    def _size_pool_on_cuda(self, req) -> KVPool:
-        # Peak activation memory is measured with a one-block (scratch) pool,
-        # then the real pool takes what is left of the utilisation budget.
-        self.pool = KVPool.with_blocks(
-            self.config, num_blocks=1, block_size=self.block_size, dtype=self.dtype, device=self.device
-        )
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        self._dummy_steps(req)
-        torch.cuda.synchronize(self.device)
-        peak_extra = torch.cuda.max_memory_allocated(self.device) - torch.cuda.memory_allocated(self.device)
-        self.pool = None
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        budget = int(total * self.gpu_memory_utilization) - (total - free) - peak_extra
-        return KVPool.allocate(
-            self.config, block_size=self.block_size, dtype=self.dtype, device=self.device, memory_bytes=max(budget, 0)
-        )
-
-    @torch.inference_mode()
-    def _dummy_steps(self, req) -> None:
-        """The largest prefill the router will send, then the widest decode, all in scratch block 0."""
-        bs, vocab = self.block_size, self.config.vocab_size
-        total, longest = req.max_batch_prefill_tokens, min(req.max_input_tokens, req.max_batch_prefill_tokens)
-        lens = [longest] * (total // longest) + ([total % longest] if total % longest else [])
-        meta = make_metadata(
-            is_prefill=True, query_lens=lens, kv_lens=lens,
-            block_tables=[[SCRATCH_BLOCK] * math.ceil(n / bs) for n in lens],
-            slot_mapping=[SCRATCH_BLOCK * bs + i % bs for n in lens for i in range(n)], device=self.device,
-        )  # fmt: skip
-        ids = torch.arange(total, device=self.device) % vocab
-        positions = torch.cat([torch.arange(n, device=self.device) for n in lens])
-        hidden = self.model(ids, positions, meta, self.pool.kv_caches)
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        self.sampler(self.model.compute_logits(hidden[last]), [_WarmupRow(SamplingParams())] * len(lens))
-
-        b = max(1, req.max_batch_size)
-        meta = make_metadata(
-            is_prefill=False, query_lens=[1] * b, kv_lens=[1] * b, block_tables=[[SCRATCH_BLOCK]] * b,
-            slot_mapping=[SCRATCH_BLOCK * bs] * b, device=self.device,
-        )  # fmt: skip
-        zeros = torch.zeros(b, dtype=torch.int64, device=self.device)
-        hidden = self.model(zeros, zeros, meta, self.pool.kv_caches)
-        # Sampling rows exercise the sort-based warpers at full batch width.
-        row = _WarmupRow(SamplingParams(temperature=0.7, top_k=50, top_p=0.9, do_sample=True))
-        self.sampler(self.model.compute_logits(hidden), [row] * b)
-
     # --- steps -----------------------------------------------------------------------
 
     def new_batch(self, batch) -> ShardBatch:
         pool = self._require_pool()
-        return ShardBatch.from_pb(
+        out = ShardBatch.from_pb(
             batch, block_size=self.block_size, num_blocks=pool.num_blocks, vocab_size=self.config.vocab_size,
             device=self.device,
         )  # fmt: skip
+        for r, req in zip(out.requests, batch.requests):
+            if req.HasField("grammar"):
+                try:
+                    r.grammar = self.grammars.compile(req.grammar)
+                except GrammarError as e:
+                    r.error = str(e)  # the request is still computed (forks may read its KV), then dropped
+        return out
 
     def prefill(self, batch: ShardBatch) -> StepResult:
         self._require_pool()
-        return self._step(batch, batch.prefill_inputs(self.device), prefill=True)
+        inputs = batch.prefill_inputs(self.device)
+        start = time.perf_counter_ns()
+        with self._guard():
+            masks = self._start_masks(batch.requests)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
+            if self.draft is not None:
+                self.draft.forward(inputs.input_ids, inputs.positions, inputs.meta)
+            out = self.sampler(self.model.compute_logits(hidden[inputs.last_rows]), batch.requests, self._wait(masks))
+            prompt_lps = self._prompt_logprobs(batch, hidden)
+        emitted = [Emitted([t], [lp], [(i, l)]) for t, lp, i, l in
+                   zip(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]  # fmt: skip
+        if self.draft is not None:
+            for r in batch.requests:
+                r.draft_len = r.seq_len
+        return StepResult(advance(batch, emitted, prompt_lps, self.eos_ids), time.perf_counter_ns() - start)
 
     def decode(self, batch: ShardBatch, slots: Sequence) -> StepResult:
         pool = self._require_pool()
-        new_slots = batch.assign_decode_slots(slots, block_size=self.block_size, num_blocks=pool.num_blocks)
-        return self._step(batch, batch.decode_inputs(new_slots, self.device), prefill=False)
+        slots = batch.assign_decode_slots(
+            slots, block_size=self.block_size, num_blocks=pool.num_blocks, speculate=self.speculate
+        )
+        start = time.perf_counter_ns()
+        with self._guard():
+            ks = [self._num_proposals(r) for r in batch.requests]
+            proposals, draft_q = self._propose(batch.requests, ks)
+            if any(proposals):
+                emitted = self._verify(batch, proposals, draft_q, slots)
+            else:
+                emitted = self._plain_decode(batch, [s[0] for s in slots])
+        if self.draft is not None:
+            for r, k, e in zip(batch.requests, ks, emitted):
+                if k > 0:  # the draft fed seq_len - 1 .. seq_len - 2 + k; the first len(e) of them stand
+                    r.draft_len = r.seq_len - 1 + min(k, len(e.ids))
+        return StepResult(advance(batch, emitted, {}, self.eos_ids), time.perf_counter_ns() - start)
+
+    def _plain_decode(self, batch: ShardBatch, slots: list[int]) -> list[Emitted]:
+        inputs = batch.decode_inputs(slots, self.device)
+        masks = self._start_masks(batch.requests)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
+        out = self.sampler(self.model.compute_logits(hidden), batch.requests, self._wait(masks))
+        return [Emitted([t], [lp], [(i, l)]) for t, lp, i, l in
+                zip(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]  # fmt: skip
+
+    def _num_proposals(self, r: RequestState) -> int:
+        """K where exactness is cheap; the bonus token always comes on top, so at most
+        max_new_tokens - generated - 1 proposals can ever be used."""
+        if self.speculate == 0 or r.params.has_penalties or r.grammar is not None or r.error is not None:
+            return 0
+        return max(0, min(self.speculate, r.max_new_tokens - r.generated - 1))
+
+    def _propose(self, requests: Sequence[RequestState], ks: list[int]):
+        if not any(ks):
+            return [[] for _ in requests], None
+        if self.draft is not None:
+            return self.draft.propose(self.sampler, requests, ks)
+        return [propose_ngram(r.token_ids, k) for r, k in zip(requests, ks)], None
+
+    def _verify(self, batch: ShardBatch, proposals, draft_q, slots) -> list[Emitted]:
+        reqs = batch.requests
+        inputs = batch.verify_inputs(proposals, slots, self.device)
+        counts = [1 + len(p) for p in proposals]
+        rows = [r for r, c in zip(reqs, counts) for _ in range(c)]  # one row per fed position
+        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        # Requests with a grammar have no proposals: one row each, at their offset.
+        masks = self._start_masks(reqs, offsets)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
+        shaped = self.sampler.shape(self.model.compute_logits(hidden), rows, self._wait(masks))
+        tokens = verify(self.sampler, self.sampler.target_probs(shaped, rows), counts, proposals, reqs, draft_q)
+        ids = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
+        for off, toks in zip(offsets, tokens):
+            ids[off : off + len(toks)] = torch.tensor(toks, device=self.device)
+        out = self.sampler.report(ids, shaped, rows)
+        return [
+            Emitted(toks, out.logprobs[off : off + len(toks)],
+                    list(zip(out.top_ids[off : off + len(toks)], out.top_logprobs[off : off + len(toks)])))
+            for off, toks in zip(offsets, tokens)
+        ]  # fmt: skip
+
+    def _start_masks(self, requests: Sequence[RequestState], rows: Sequence[int] | None = None):
+        """Starts the grammar masks of constrained rows; they compute while the forward runs."""
+        pairs = []
+        for i, r in enumerate(requests):
+            if r.grammar is not None and r.error is None:
+                r.error = r.grammar.error
+                if r.error is None:
+                    pairs.append((i if rows is None else rows[i], r.grammar))
+        return self.masker.start(pairs)
+
+    @staticmethod
+    def _wait(masks):
+        return masks.result() if masks is not None else None
 
     def _require_pool(self) -> KVPool:
         if self.pool is None:
             raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "Warmup must be called before Prefill/Decode")
         return self.pool
 
-    def _step(self, batch: ShardBatch, inputs: StepInputs, prefill: bool) -> StepResult:
-        start = time.perf_counter_ns()
+    @contextmanager
+    def _guard(self):
+        # A failure inside the forward is a bug or a device fault, not bad
+        # input (that was rejected earlier): report it and fail Health.
         try:
             with torch.inference_mode():
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
-                out = self.sampler(self.model.compute_logits(hidden[inputs.last_rows]), batch.requests)
-                prompt_lps = self._prompt_logprobs(batch, hidden) if prefill else {}
+                yield
         except Exception as e:
-            # A failure inside the forward is a bug or a device fault, not bad
-            # input (that was rejected earlier): report it and fail Health.
             self.broken = f"{type(e).__name__}: {e}"
             log.exception("forward failed")
             raise
-        forward_ns = time.perf_counter_ns() - start
-        generations = self._advance(batch, out, prompt_lps)
-        return StepResult(generations, forward_ns)
 
     def _prompt_logprobs(self, batch: ShardBatch, hidden: torch.Tensor) -> dict[int, list[float]]:
         """Raw-logit log_softmax of each prompt token given its prefix (TGI's
@@ -252,36 +315,3 @@ class ModelRunner:
                 result[r.id] = lps
             row += n_new
         return result
-
-    def _advance(self, batch: ShardBatch, out: SamplerOutput, prompt_lps: dict[int, list[float]]) -> list:
-        generations, alive = [], []
-        for i, r in enumerate(batch.requests):
-            token = out.token_ids[i]
-            if r.id in prompt_lps:
-                prefill_tokens = pb.Tokens(ids=r.token_ids, logprobs=prompt_lps[r.id])
-            else:
-                prefill_tokens = None
-            r.cache_len = r.seq_len  # everything fed so far is now in the pool
-            r.token_ids.append(token)
-            r.generated += 1
-            finish = self._finish_reason(r, token)
-            generations.append(
-                pb.Generation(
-                    request_id=r.id,
-                    prefill_tokens=prefill_tokens,
-                    tokens=pb.Tokens(ids=[token], logprobs=[out.logprobs[i]]),
-                    top_tokens=[pb.Tokens(ids=out.top_ids[i], logprobs=out.top_logprobs[i])] if r.top_n else [],
-                    finish_reason=finish,
-                )
-            )
-            if finish == pb.FINISH_REASON_UNSPECIFIED:
-                alive.append(r)
-        batch.requests = alive
-        return generations
-
-    def _finish_reason(self, r: RequestState, token: int) -> int:
-        if token in self.eos_ids and not r.ignore_eos:
-            return pb.FINISH_REASON_EOS_TOKEN
-        if r.generated >= r.max_new_tokens:
-            return pb.FINISH_REASON_LENGTH
-        return pb.FINISH_REASON_UNSPECIFIED

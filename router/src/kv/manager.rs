@@ -1,0 +1,261 @@
+//! The router's KV cache: the refcounted allocator and the radix prefix
+//! cache behind one lock, and `KvBlocks`, a sequence's block table that
+//! releases its references on Drop.
+
+use std::sync::{Arc, Mutex};
+
+use super::block_allocator::BlockAllocator;
+use super::radix::RadixCache;
+
+#[derive(Debug)]
+struct Inner {
+    alloc: BlockAllocator,
+    radix: RadixCache,
+    prefix_caching: bool,
+}
+
+impl Inner {
+    fn retain(&mut self, id: u32) {
+        if self.alloc.retain(id) == 2 && self.radix.contains(id) {
+            self.radix.set_unused(id, false);
+        }
+    }
+
+    fn release(&mut self, id: u32) {
+        if self.alloc.release(id) == 1 && self.radix.contains(id) {
+            self.radix.set_unused(id, true);
+        }
+    }
+
+    fn available(&self) -> u32 {
+        self.alloc.free_blocks() + self.radix.reclaimable() as u32
+    }
+
+    fn allocate(&mut self, n: u32) -> Option<Vec<u32>> {
+        if self.available() < n {
+            return None;
+        }
+        // Evict least recently used cached prefixes only as far as needed.
+        while self.alloc.free_blocks() < n {
+            let block = self.radix.evict_one().expect("reclaimable blocks are evictable");
+            let left = self.alloc.release(block);
+            debug_assert_eq!(left, 0, "an evicted block had holders");
+        }
+        self.alloc.allocate(n)
+    }
+}
+
+/// Cheap to clone: every clone is a handle on the same cache.
+#[derive(Debug, Clone)]
+pub struct KvManager {
+    inner: Arc<Mutex<Inner>>,
+    block_size: u32,
+    capacity: u32,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KvStats {
+    pub capacity: u32,
+    pub free: u32,
+    /// Held by the radix cache only: reusable, and evictable on demand.
+    pub cached_unused: u32,
+    /// All blocks indexed by the radix cache (in use or not).
+    pub cached: u32,
+}
+
+impl KvStats {
+    /// Blocks held by running sequences.
+    pub fn used(&self) -> u32 {
+        self.capacity - self.free - self.cached_unused
+    }
+}
+
+impl KvManager {
+    pub fn new(num_blocks: u32, block_size: u32, prefix_caching: bool) -> Self {
+        let alloc = BlockAllocator::new(num_blocks, block_size);
+        let capacity = alloc.capacity();
+        Self {
+            inner: Arc::new(Mutex::new(Inner {
+                alloc,
+                radix: RadixCache::new(block_size),
+                prefix_caching,
+            })),
+            block_size,
+            capacity,
+        }
+    }
+
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    pub fn prefix_caching(&self) -> bool {
+        self.inner.lock().unwrap().prefix_caching
+    }
+
+    pub fn capacity(&self) -> u32 {
+        self.capacity
+    }
+
+    pub fn blocks_for(&self, tokens: u32) -> u32 {
+        tokens.div_ceil(self.block_size)
+    }
+
+    /// Blocks an allocation can get right now, evicting cached prefixes.
+    pub fn available(&self) -> u32 {
+        self.inner.lock().unwrap().available()
+    }
+
+    pub fn stats(&self) -> KvStats {
+        let g = self.inner.lock().unwrap();
+        KvStats {
+            capacity: self.capacity,
+            free: g.alloc.free_blocks(),
+            cached_unused: g.radix.reclaimable() as u32,
+            cached: g.radix.len() as u32,
+        }
+    }
+
+    /// Most blocks of `tokens` that may come from the cache: at least one
+    /// token is always left for the shard to compute (it yields the logits).
+    fn max_cached_blocks(&self, tokens: &[u32]) -> usize {
+        (tokens.len().saturating_sub(1) / self.block_size as usize) as usize
+    }
+
+    /// Length in blocks of the cached prefix of `tokens`, without taking it.
+    pub fn peek_prefix(&self, tokens: &[u32]) -> u32 {
+        let mut g = self.inner.lock().unwrap();
+        if !g.prefix_caching {
+            return 0;
+        }
+        let max = self.max_cached_blocks(tokens);
+        g.radix.match_prefix(tokens, max, false).len() as u32
+    }
+
+    /// A block table starting with the cached prefix of `tokens` (retained).
+    pub fn acquire_prefix(&self, tokens: &[u32]) -> KvBlocks {
+        let mut g = self.inner.lock().unwrap();
+        let ids = if g.prefix_caching {
+            let max = self.max_cached_blocks(tokens);
+            g.radix.match_prefix(tokens, max, true)
+        } else {
+            Vec::new()
+        };
+        for &id in &ids {
+            g.retain(id);
+        }
+        KvBlocks {
+            ids,
+            manager: self.clone(),
+        }
+    }
+
+    /// `n` fresh blocks, evicting cached prefixes if needed; all-or-nothing.
+    pub fn allocate(&self, n: u32) -> Option<KvBlocks> {
+        let ids = self.inner.lock().unwrap().allocate(n)?;
+        Some(KvBlocks {
+            ids,
+            manager: self.clone(),
+        })
+    }
+
+    /// Indexes the full blocks of `tokens` (whose KV the shard has computed)
+    /// so later requests can reuse them.
+    pub fn commit(&self, blocks: &KvBlocks, tokens: &[u32]) {
+        let mut g = self.inner.lock().unwrap();
+        if !g.prefix_caching {
+            return;
+        }
+        let full = tokens.len() / self.block_size as usize;
+        let n = full.min(blocks.ids.len());
+        let added = g.radix.insert(&tokens[..n * self.block_size as usize], &blocks.ids[..n]);
+        for id in added {
+            // The tree's own reference keeps the block after its sequences end.
+            g.alloc.retain(id);
+        }
+    }
+
+    /// Radix cache's token prefix ending at `block` (tests and checks).
+    pub fn cached_prefix_of(&self, block: u32) -> Option<Vec<u32>> {
+        self.inner.lock().unwrap().radix.prefix_of(block)
+    }
+
+    pub fn refs(&self, block: u32) -> u32 {
+        self.inner.lock().unwrap().alloc.refs(block)
+    }
+}
+
+/// One sequence's block table, in order. Dropping it releases every block,
+/// so any path that ends a sequence (finish, stop, disconnect, preemption,
+/// shard error) returns its memory.
+#[derive(Debug)]
+pub struct KvBlocks {
+    ids: Vec<u32>,
+    manager: KvManager,
+}
+
+impl KvBlocks {
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    pub fn len(&self) -> u32 {
+        self.ids.len() as u32
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    pub fn capacity_tokens(&self) -> u32 {
+        self.len() * self.manager.block_size
+    }
+
+    /// A table sharing this one's first `n` blocks (forks of `n`/`best_of`).
+    pub fn share_prefix(&self, n: u32) -> KvBlocks {
+        let ids: Vec<u32> = self.ids[..n as usize].to_vec();
+        let mut g = self.manager.inner.lock().unwrap();
+        for &id in &ids {
+            g.retain(id);
+        }
+        KvBlocks {
+            ids,
+            manager: self.manager.clone(),
+        }
+    }
+
+    /// Grows the table to hold `tokens` tokens. False, with the table
+    /// unchanged, when the pool cannot supply the blocks.
+    pub fn ensure_capacity(&mut self, tokens: u32) -> bool {
+        let needed = self.manager.blocks_for(tokens);
+        if needed <= self.len() {
+            return true;
+        }
+        match self.manager.inner.lock().unwrap().allocate(needed - self.len()) {
+            Some(more) => {
+                self.ids.extend(more);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Flat slot of token position `pos` (block * block_size + offset).
+    pub fn slot(&self, pos: u32) -> u64 {
+        let bs = self.manager.block_size;
+        self.ids[(pos / bs) as usize] as u64 * bs as u64 + (pos % bs) as u64
+    }
+
+    pub fn slots(&self, start: u32, end: u32) -> Vec<u64> {
+        (start..end).map(|p| self.slot(p)).collect()
+    }
+}
+
+impl Drop for KvBlocks {
+    fn drop(&mut self) {
+        let mut g = self.manager.inner.lock().unwrap();
+        for &id in &self.ids {
+            g.release(id);
+        }
+    }
+}

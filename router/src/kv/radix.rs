@@ -1,0 +1,214 @@
+//! Radix tree over block-aligned token prefixes: each node is one full KV
+//! block, keyed by the block's tokens under its parent. It only indexes
+//! blocks; reference counts live in the allocator, and the manager tells the
+//! tree when a block becomes unused (evictable) or used again.
+
+use std::collections::{BTreeSet, HashMap};
+
+const ROOT: usize = 0;
+
+#[derive(Debug)]
+struct Node {
+    block: u32,
+    parent: usize,
+    key: Box<[u32]>,
+    children: HashMap<Box<[u32]>, usize>,
+    last_access: u64,
+    /// Only the tree holds the block (no running sequence uses it).
+    unused: bool,
+}
+
+#[derive(Debug)]
+pub struct RadixCache {
+    block_size: usize,
+    nodes: Vec<Option<Node>>,
+    vacant: Vec<usize>,
+    by_block: HashMap<u32, usize>,
+    /// Evictable nodes: unused leaves, oldest first.
+    lru: BTreeSet<(u64, usize)>,
+    /// Nodes only the tree holds. Sequences hold whole prefixes from the root,
+    /// so every such node lies in an all-unused subtree: all of them can be
+    /// evicted, leaves first.
+    unused_count: usize,
+    tick: u64,
+}
+
+impl RadixCache {
+    pub fn new(block_size: u32) -> Self {
+        let root = Node {
+            block: u32::MAX,
+            parent: ROOT,
+            key: Box::new([]),
+            children: HashMap::new(),
+            last_access: 0,
+            unused: false,
+        };
+        Self {
+            block_size: block_size as usize,
+            nodes: vec![Some(root)],
+            vacant: Vec::new(),
+            by_block: HashMap::new(),
+            lru: BTreeSet::new(),
+            unused_count: 0,
+            tick: 0,
+        }
+    }
+
+    fn node(&self, id: usize) -> &Node {
+        self.nodes[id].as_ref().expect("live node")
+    }
+
+    fn node_mut(&mut self, id: usize) -> &mut Node {
+        self.nodes[id].as_mut().expect("live node")
+    }
+
+    /// Blocks held in the tree.
+    pub fn len(&self) -> usize {
+        self.by_block.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.by_block.is_empty()
+    }
+
+    pub fn contains(&self, block: u32) -> bool {
+        self.by_block.contains_key(&block)
+    }
+
+    /// Blocks of the longest cached prefix of `tokens`, at most `max_blocks`.
+    /// With `touch`, the matched nodes become the most recently used.
+    pub fn match_prefix(&mut self, tokens: &[u32], max_blocks: usize, touch: bool) -> Vec<u32> {
+        self.tick += 1;
+        let tick = self.tick;
+        let mut at = ROOT;
+        let mut blocks = Vec::new();
+        for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
+            let Some(&child) = self.node(at).children.get(chunk) else {
+                break;
+            };
+            at = child;
+            if touch {
+                self.set_access(child, tick);
+            }
+            blocks.push(self.node(child).block);
+        }
+        blocks
+    }
+
+    fn set_access(&mut self, id: usize, tick: u64) {
+        let n = self.node(id);
+        if self.lru.remove(&(n.last_access, id)) {
+            self.lru.insert((tick, id));
+        }
+        self.node_mut(id).last_access = tick;
+    }
+
+    /// Indexes the full blocks of `tokens` held in `blocks` (table order).
+    /// Returns the blocks newly added; the caller gives the tree a reference
+    /// to each. Stops at the first block whose prefix the tree already maps to
+    /// another block (that copy stays private to its sequence).
+    pub fn insert(&mut self, tokens: &[u32], blocks: &[u32]) -> Vec<u32> {
+        self.tick += 1;
+        let tick = self.tick;
+        let mut at = ROOT;
+        let mut added = Vec::new();
+        for (chunk, &block) in tokens.chunks_exact(self.block_size).zip(blocks) {
+            if let Some(&child) = self.node(at).children.get(chunk) {
+                if self.node(child).block != block {
+                    break;
+                }
+                at = child;
+                self.set_access(child, tick);
+                continue;
+            }
+            if self.by_block.contains_key(&block) {
+                // The block is indexed under another prefix: never index it twice.
+                break;
+            }
+            let id = self.new_node(Node {
+                block,
+                parent: at,
+                key: chunk.into(),
+                children: HashMap::new(),
+                last_access: tick,
+                unused: false,
+            });
+            // The parent is no longer a leaf.
+            let p = self.node(at);
+            self.lru.remove(&(p.last_access, at));
+            self.node_mut(at).children.insert(chunk.into(), id);
+            self.by_block.insert(block, id);
+            added.push(block);
+            at = id;
+        }
+        added
+    }
+
+    fn new_node(&mut self, n: Node) -> usize {
+        match self.vacant.pop() {
+            Some(id) => {
+                self.nodes[id] = Some(n);
+                id
+            }
+            None => {
+                self.nodes.push(Some(n));
+                self.nodes.len() - 1
+            }
+        }
+    }
+
+    /// The manager reports that only the tree holds `block` now (or not).
+    pub fn set_unused(&mut self, block: u32, unused: bool) {
+        let Some(&id) = self.by_block.get(&block) else {
+            return;
+        };
+        let n = self.node_mut(id);
+        let was = std::mem::replace(&mut n.unused, unused);
+        match (was, unused) {
+            (false, true) => self.unused_count += 1,
+            (true, false) => self.unused_count -= 1,
+            _ => {}
+        }
+        let n = self.node(id);
+        let (leaf, key) = (n.children.is_empty(), (n.last_access, id));
+        if unused && leaf {
+            self.lru.insert(key);
+        } else {
+            self.lru.remove(&key);
+        }
+    }
+
+    /// Removes the least recently used unused leaf; returns its block, whose
+    /// tree reference the caller must release.
+    pub fn evict_one(&mut self) -> Option<u32> {
+        let (_, id) = self.lru.pop_first()?;
+        let n = self.nodes[id].take().expect("live node");
+        self.vacant.push(id);
+        self.by_block.remove(&n.block);
+        self.unused_count -= 1;
+        let parent = n.parent;
+        self.node_mut(parent).children.remove(&n.key);
+        let p = self.node(parent);
+        if parent != ROOT && p.children.is_empty() && p.unused {
+            self.lru.insert((p.last_access, parent));
+        }
+        Some(n.block)
+    }
+
+    /// Token ids of the prefix that ends with `block` (for checks and tests).
+    pub fn prefix_of(&self, block: u32) -> Option<Vec<u32>> {
+        let mut id = *self.by_block.get(&block)?;
+        let mut parts = Vec::new();
+        while id != ROOT {
+            let n = self.node(id);
+            parts.push(n.key.clone());
+            id = n.parent;
+        }
+        Some(parts.into_iter().rev().flat_map(|k| k.into_vec()).collect())
+    }
+
+    /// Blocks that eviction can return to the pool.
+    pub fn reclaimable(&self) -> usize {
+        self.unused_count
+    }
+}

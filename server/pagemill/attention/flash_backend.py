@@ -1,0 +1,84 @@
+"""The `flash` backend: FlashAttention-2 (the `flash-attn` package) over the paged pool.
+
+flash-attn reads a paged cache only when the pool's block size is a multiple
+of 256 (flash_api.cpp checks it in both varlen_fwd and fwd_kvcache) and
+only in fp16/bf16. Then prefill is flash_attn_varlen_func with block_table
+(causal aligned bottom-right, which is exactly "new token j sees the cached
+prefix plus new tokens 0..j") and decode is flash_attn_with_kvcache with
+block_table and cache_seqlens. With smaller blocks (the default is 16) a
+fresh prompt still goes through flash_attn_varlen_func on the packed k/v,
+which hold all of its keys, while cached-prefix prefill and decode run on
+the Triton kernels; float32 runs entirely on Triton. Each such fallback is
+logged once. The KV write is always the Triton kernel: flash-attn has no
+scatter to arbitrary slots.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from pagemill.attention.backend import AttentionBackend
+from pagemill.attention.metadata import AttentionMetadata
+
+log = logging.getLogger(__name__)
+
+PAGED_BLOCK_MULTIPLE = 256
+FLASH_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class FlashAttentionBackend:
+    name = "flash"
+
+    def __init__(self, flash_attn, fallback: AttentionBackend) -> None:
+        """flash_attn: the imported module (or anything with its two functions)."""
+        self.fa = flash_attn
+        self.fallback = fallback
+        self._noted: set[str] = set()
+
+    def _note(self, what: str) -> None:
+        if what not in self._noted:
+            self._noted.add(what)
+            log.warning("flash attention backend: %s run on the %s kernels", what, self.fallback.name)
+
+    def _flash_dtype(self, q: torch.Tensor) -> bool:
+        if q.dtype in FLASH_DTYPES:
+            return True
+        self._note(f"flash-attn has no {q.dtype} kernels: all attention steps")
+        return False
+
+    def _small_blocks(self, k_cache: torch.Tensor, what: str) -> None:
+        self._note(f"KV blocks of {k_cache.shape[1]} tokens (flash-attn pages by multiples of "
+                   f"{PAGED_BLOCK_MULTIPLE}): {what}")  # fmt: skip
+
+    def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        self.fallback.write_kv(k, v, k_cache, v_cache, slot_mapping)
+
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not self._flash_dtype(q):
+            return self.fallback.prefill(q, k, v, k_cache, v_cache, meta, scale)
+        if k_cache.shape[1] % PAGED_BLOCK_MULTIPLE == 0:
+            return self.fa.flash_attn_varlen_func(
+                q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
+                softmax_scale=scale, causal=True, block_table=meta.block_tables,
+            )  # fmt: skip
+        if meta.query_lens == meta.kv_lens:  # nothing cached: the packed k/v are every key
+            return self.fa.flash_attn_varlen_func(
+                q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
+                softmax_scale=scale, causal=True,
+            )  # fmt: skip
+        self._small_blocks(k_cache, "prefills with a cached prefix")
+        return self.fallback.prefill(q, k, v, k_cache, v_cache, meta, scale)
+
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if not self._flash_dtype(q):
+            return self.fallback.decode(q, k_cache, v_cache, meta, scale)
+        if k_cache.shape[1] % PAGED_BLOCK_MULTIPLE == 0:
+            out = self.fa.flash_attn_with_kvcache(
+                q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens, block_table=meta.block_tables,
+                softmax_scale=scale, causal=True,
+            )  # fmt: skip
+            return out.squeeze(1)
+        self._small_blocks(k_cache, "decode steps")
+        return self.fallback.decode(q, k_cache, v_cache, meta, scale)

@@ -1,0 +1,133 @@
+"""`pagemill bench {serve,suite,sweep,roofline}`: arguments and dispatch."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+
+def _rate(text: str) -> float:
+    return math.inf if text == "inf" else float(text)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _add_dataset_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dataset", default="random", choices=["random", "sharegpt", "prefix"])
+    p.add_argument("--num-prompts", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--random-input-len", type=int, default=64)
+    p.add_argument("--random-output-min", type=int, default=16)
+    p.add_argument("--random-output-max", type=int, default=256)
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="input length varies by +-ratio")
+    p.add_argument("--sharegpt-input-median", type=int, default=128)
+    p.add_argument("--sharegpt-output-median", type=int, default=128)
+    p.add_argument("--sharegpt-max-input", type=int, default=512)
+    p.add_argument("--sharegpt-max-output", type=int, default=256)
+    p.add_argument("--prefix-groups", type=int, default=4)
+    p.add_argument("--prefix-len", type=int, default=256)
+    p.add_argument("--prefix-suffix-len", type=int, default=32)
+    p.add_argument("--prefix-output-len", type=int, default=32)
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint", default="tgi", choices=["tgi", "openai"],
+                   help="tgi: /generate_stream; openai: /v1/completions")  # fmt: skip
+    p.add_argument("--request-rate", type=_rate, default=math.inf, help="requests/s (Poisson) or inf (all at once)")
+    p.add_argument("--goodput", nargs="*", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:2000 tpot:200")
+    p.add_argument("--percentiles", default="50,90,99", help="comma-separated percentiles to report")
+    p.add_argument("--model-dir", default=None, help="tokenizer (and HF baseline) source; default model if unset")
+    p.add_argument("--no-progress", action="store_true")
+
+
+def add_bench_parser(sub) -> None:
+    bench = sub.add_parser("bench", help="serving benchmark, baselines, shard sweep, roofline")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+
+    serve = bsub.add_parser("serve", help="load a running server and report vLLM-style metrics")
+    serve.add_argument("--base-url", default="http://127.0.0.1:3000")
+    serve.add_argument("--max-concurrency", type=int, default=None)
+    serve.add_argument("--result-file", default=None, help="write the JSON result here")
+    _add_dataset_args(serve)
+    _add_load_args(serve)
+
+    suite = bsub.add_parser("suite", help="launch a server, run the serving benchmark and the baselines in one run")
+    suite.add_argument("--out", default="benchmarks/results/latest")
+    suite.add_argument("--port", type=int, default=3100)
+    suite.add_argument("--concurrency", type=_ints, default=[1, 4, 16, 64])
+    suite.add_argument("--min-prompts", type=int, default=8, help="fewest prompts at low concurrency")
+    suite.add_argument("--hf-batch-sizes", type=_ints, default=[64, 8])
+    suite.add_argument("--sequential-prompts", type=int, default=8, help="requests of the batch-1 baseline")
+    suite.add_argument("--overhead-output-len", type=int, default=48)
+    suite.add_argument("--extra-datasets", default="sharegpt,prefix")
+    suite.add_argument("--skip-baselines", action="store_true")
+    suite.add_argument("--server-args", default="", help="extra `pagemill launch` flags, one string")
+    _add_dataset_args(suite)
+    _add_load_args(suite)
+
+    sweep = bsub.add_parser("sweep", help="shard-level prefill/decode sweep, no HTTP")
+    sweep.add_argument("--model-dir", default=None)
+    sweep.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32, 64])
+    sweep.add_argument("--input-len", type=int, default=64)
+    sweep.add_argument("--steps", type=int, default=16)
+    sweep.add_argument("--repeats", type=int, default=1)
+    sweep.add_argument("--kv-cache-memory", default="1GiB")
+    sweep.add_argument("--result-file", default=None)
+
+    roof = bsub.add_parser("roofline", help="measure bandwidth and matmul rate; print decode floors")
+    roof.add_argument("--model-dir", default=None)
+    roof.add_argument("--context", type=int, default=128)
+
+
+def resolve_model_dir(model_dir: str | None) -> str:
+    if model_dir:
+        return model_dir
+    from pagemill.models.default_model import ensure_default_model
+
+    return str(ensure_default_model())
+
+
+def run_bench(a: argparse.Namespace) -> None:
+    if a.bench_command == "serve":
+        from pagemill.bench.suite import serve_command
+
+        result = serve_command(a)
+    elif a.bench_command == "suite":
+        from pagemill.bench.suite import run_suite
+
+        result = run_suite(a)
+    elif a.bench_command == "sweep":
+        result = _sweep(a)
+    else:
+        from pagemill.bench.roofline import roofline_report
+        from pagemill.models.config import ModelConfig
+
+        cfg = ModelConfig.from_model_dir(resolve_model_dir(a.model_dir))
+        result = roofline_report(cfg, context=a.context)
+        print(json.dumps(result, indent=2))
+        return
+    path = getattr(a, "result_file", None)
+    if path and result is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {path}", file=sys.stderr)
+
+
+def _sweep(a: argparse.Namespace) -> dict:
+    from pagemill.bench.sweep import as_dicts, run_sweep, sweep_table
+    from pagemill.cli import parse_bytes
+    from pagemill.config import ShardConfig
+    from pagemill.shard.engine import ModelRunner
+
+    cfg = ShardConfig(model_dir=resolve_model_dir(a.model_dir), uds_path="", kv_cache_memory=parse_bytes(a.kv_cache_memory))
+    runner = ModelRunner.from_shard_config(cfg)
+    points = run_sweep(runner, a.batch_sizes, a.input_len, a.steps, a.repeats,
+                       progress=lambda p: print(f"batch {p.batch_size}: decode {p.decode_ms:.1f} ms", file=sys.stderr))  # fmt: skip
+    print(sweep_table(points))
+    return {"input_len": a.input_len, "steps": a.steps, "sweep": as_dicts(points)}

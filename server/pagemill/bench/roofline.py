@@ -1,0 +1,85 @@
+"""A roofline for decode on this machine: what one step cannot beat.
+
+One decode step must read every weight once (the projections and the output
+head; the embedding lookup reads B rows only) plus the KV cache of every
+sequence, and must do 2 FLOPs per weight per token plus attention. So
+
+    floor(B, ctx) = max(bytes(B, ctx) / bandwidth, flops(B, ctx) / matmul rate)
+
+bandwidth: the better of a large tensor copy (read + write counted) and a
+large sum (read), both far beyond the last-level cache; matmul rate: a
+large float32 torch.mm. Both with the torch thread count in force.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from pagemill.models.config import ModelConfig
+
+
+@dataclass
+class Machine:
+    threads: int
+    copy_gbs: float
+    sum_gbs: float
+    bandwidth_gbs: float  # the one the roofline uses: max(copy, sum)
+    matmul_gflops: float
+
+
+@dataclass
+class Floor:
+    batch_size: int
+    context: int
+    weight_bytes: int
+    kv_bytes: int
+    flops: float
+    memory_ms: float
+    compute_ms: float
+    floor_ms: float
+    binds: str  # "memory" or "compute"
+
+
+def _best_of(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_machine(buffer_mib: int = 512, mm_size: int = 2048, repeats: int = 5) -> Machine:
+    n = buffer_mib * (1 << 20) // 4
+    a = torch.empty(n).normal_()
+    b = torch.empty_like(a)
+    copy = 2 * a.numel() * 4 / _best_of(lambda: b.copy_(a), repeats) / 1e9
+    summ = a.numel() * 4 / _best_of(lambda: a.sum(), repeats) / 1e9
+    del a, b
+    x = torch.randn(mm_size, mm_size)
+    mm = 2 * mm_size**3 / _best_of(lambda: torch.mm(x, x), repeats) / 1e9
+    return Machine(torch.get_num_threads(), copy, summ, max(copy, summ), mm)
+
+
+def decode_floor(cfg: ModelConfig, m: Machine, batch_size: int, context: int, dtype_bytes: int = 4) -> Floor:
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * i  # qkv, o, gate/up/down
+    matmul_params = cfg.num_hidden_layers * per_layer + cfg.vocab_size * h  # + output head
+    weight_bytes = matmul_params * dtype_bytes + 2 * cfg.num_hidden_layers * h * dtype_bytes  # + norms
+    kv_bytes = batch_size * context * 2 * cfg.num_hidden_layers * kv * dtype_bytes
+    attn_flops = 4 * batch_size * context * cfg.num_attention_heads * d * cfg.num_hidden_layers
+    flops = 2.0 * matmul_params * batch_size + attn_flops
+    mem_ms = (weight_bytes + kv_bytes) / (m.bandwidth_gbs * 1e9) * 1e3
+    comp_ms = flops / (m.matmul_gflops * 1e9) * 1e3
+    return Floor(batch_size, context, weight_bytes, kv_bytes, flops, mem_ms, comp_ms, max(mem_ms, comp_ms),
+                 "memory" if mem_ms >= comp_ms else "compute")  # fmt: skip
+
+
+def roofline_report(cfg: ModelConfig, batch_sizes=(1, 8, 64), context: int = 128) -> dict:
+    m = measure_machine()
+    return {"machine": asdict(m), "floors": [asdict(decode_floor(cfg, m, b, context)) for b in batch_sizes]}

@@ -1,0 +1,139 @@
+"""Constrained decoding: JSON schema and regex grammars on llguidance masks, per-request errors."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+
+import jsonschema
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from pagemill.grammar.matcher import GrammarCompiler, GrammarError
+from pagemill.proto import pb
+from test_speculative import Driver, make_runner
+
+JSON, REGEX = pb.GRAMMAR_TYPE_JSON, pb.GRAMMAR_TYPE_REGEX
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, default_model_dir):
+    """A random-weight tiny Llama with the default model's tokenizer (vocab 49152)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-tok")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    shutil.copy(default_model_dir / "tokenizer.json", out / "tokenizer.json")
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model_dir):
+    return Tokenizer.from_file(str(default_model_dir / "tokenizer.json"))
+
+
+def random_schema(rng: random.Random, depth: int = 0) -> dict:
+    """Bounded schemas (string lengths, integer ranges, array sizes), so that a
+    constrained output always completes within the token budget."""
+    kinds = ["integer", "string", "boolean", "enum", "array"] + (["object"] if depth < 1 else [])
+    props = {}
+    for i in range(rng.randint(1, 3)):
+        kind = rng.choice(kinds)
+        if kind == "integer":
+            lo = rng.randint(-50, 50)
+            s = {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
+        elif kind == "string":
+            s = {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(3, 8)}
+        elif kind == "boolean":
+            s = {"type": "boolean"}
+        elif kind == "enum":
+            s = {"enum": rng.sample(["red", "green", "blue", "cyan", 7, None], rng.randint(1, 4))}
+        elif kind == "array":
+            s = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
+                 "minItems": 1, "maxItems": rng.randint(1, 3)}  # fmt: skip
+        else:
+            s = random_schema(rng, depth + 1)
+        props[f"{kind[:3]}_{i}"] = s
+    required = rng.sample(sorted(props), rng.randint(0, len(props)))
+    return {"type": "object", "properties": props, "required": required, "additionalProperties": False}
+
+
+def test_compile_errors_are_grammar_errors(tiny_dir):
+    c = GrammarCompiler(tiny_dir, 49152, [2])
+    assert c.compile(None) is None and c.compile(pb.Grammar()) is None
+    for value, message in [('{"type": "nope"}', "invalid JSON schema"), ("{not json", "invalid JSON schema"),
+                           ("[1, 2]", "invalid JSON schema")]:  # fmt: skip
+        with pytest.raises(GrammarError, match=message):
+            c.compile(pb.Grammar(type=JSON, value=value))
+    with pytest.raises(GrammarError, match="invalid regex"):
+        c.compile(pb.Grammar(type=REGEX, value="[a-z]+("))
+    with pytest.raises(GrammarError, match="tokenizer.json"):
+        GrammarCompiler("/nonexistent", 49152, [2]).compile(pb.Grammar(type=REGEX, value="a"))
+    for any_object in ("", "{}"):  # OpenAI json_object
+        assert c.compile(pb.Grammar(type=JSON, value=any_object)) is not None
+
+
+def test_fifty_random_json_schemas_all_validate(tiny_dir, tokenizer):
+    rng = random.Random(0)
+    schemas = [random_schema(rng) for _ in range(50)]
+    prompts = [[rng.randrange(3, 49000) for _ in range(rng.randint(2, 12))] for _ in schemas]
+    params = [pb.NextTokenChooserParameters(do_sample=True, temperature=1.0, seed=i, has_seed=True)
+              for i in range(25)] + [pb.NextTokenChooserParameters()] * 25  # fmt: skip
+    grammars = [pb.Grammar(type=JSON, value=json.dumps(s)) for s in schemas]
+    out = Driver(make_runner(tiny_dir, blocks=2000)).run(prompts, 160, params=params, grammars=grammars)
+    for i, schema in enumerate(schemas):
+        o = out[i]
+        assert o["error"] == "" and o["finish"] == pb.FINISH_REASON_EOS_TOKEN, (schema, o)
+        assert o["ids"][-1] == 2  # the finished grammar forced EOS (ignore_eos is set)
+        text = tokenizer.decode(o["ids"][:-1], skip_special_tokens=False)
+        jsonschema.validate(json.loads(text), schema)
+
+
+def test_regex_outputs_match(tiny_dir, tokenizer):
+    patterns = [r"\d{3}-\d{4}", r"(yes|no)", r"[a-z]{2,6}@[a-z]{3,5}\.(com|org)", r"#[0-9a-f]{6}",
+                r"(Mon|Tue|Wed) [1-9]:[0-5][0-9]"]  # fmt: skip
+    grammars = [pb.Grammar(type=REGEX, value=p) for p in patterns]
+    out = Driver(make_runner(tiny_dir)).run([[100, 200, 300]] * len(patterns), 40, grammars=grammars)
+    for i, p in enumerate(patterns):
+        assert out[i]["finish"] == pb.FINISH_REASON_EOS_TOKEN
+        assert re.fullmatch(p, tokenizer.decode(out[i]["ids"][:-1])), (p, out[i])
+
+
+def test_a_bad_grammar_fails_only_its_request(tiny_dir, tokenizer):
+    """Its Generation carries the error and no tokens; the others run on, speculating."""
+    runner = make_runner(tiny_dir, speculate=2)
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11], [12, 13]]
+    grammars = [None, pb.Grammar(type=JSON, value='{"type": "nope"}'), pb.Grammar(type=REGEX, value="(a|b)c")]
+    batch_gens = []
+    orig = runner.prefill
+    runner.prefill = lambda b: (r := orig(b), batch_gens.extend(r.generations))[0]
+    out = Driver(runner).run(prompts, 8, grammars=grammars)
+    bad = next(g for g in batch_gens if g.request_id == 1)
+    assert "invalid JSON schema" in bad.error and not bad.HasField("tokens")
+    assert out[1]["ids"] == [] and out[1]["error"]
+    plain = Driver(make_runner(tiny_dir)).run(prompts[:1], 8)
+    assert out[0]["ids"] == plain[0]["ids"] and out[0]["finish"] == pb.FINISH_REASON_LENGTH
+    assert tokenizer.decode(out[2]["ids"][:-1]) in ("ac", "bc") and out[2]["finish"] == pb.FINISH_REASON_EOS_TOKEN
+
+
+def test_default_model_writes_valid_json(default_model_dir, tokenizer):
+    """SmolLM2 itself under ten random schemas (a real model, so the values are sensible)."""
+    rng = random.Random(1)
+    schemas = [random_schema(rng) for _ in range(10)]
+    prompts = []
+    for s in schemas:
+        chat = (f"<|im_start|>user\nReply with a JSON object for this schema: {json.dumps(s)}<|im_end|>\n"
+                "<|im_start|>assistant\n")  # fmt: skip
+        prompts.append(tokenizer.encode(chat, add_special_tokens=False).ids)
+    grammars = [pb.Grammar(type=JSON, value=json.dumps(s)) for s in schemas]
+    out = Driver(make_runner(str(default_model_dir), blocks=400)).run(prompts, 120, grammars=grammars)
+    for i, schema in enumerate(schemas):
+        assert out[i]["finish"] == pb.FINISH_REASON_EOS_TOKEN, out[i]
+        jsonschema.validate(json.loads(tokenizer.decode(out[i]["ids"][:-1])), schema)
