@@ -230,3 +230,31 @@ def test_too_large_body_is_413(server):
 def test_wrong_method_and_unknown_v1_route_are_404_json(server):
     for r in (httpx.get(f"{server.url}/v1/chat/completions"), httpx.post(f"{server.url}/v1/embeddings", json={})):
         assert r.status_code == 404 and r.json()["error_type"] == "not_found"
+
+
+def test_json_schema_response_format_constrains_output(client):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    out = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "Which city is the capital of France? Answer in JSON."}],
+        temperature=0, max_tokens=40,
+        response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+    assert out.choices[0].finish_reason == "stop", out.choices[0].message.content
+    value = json.loads(out.choices[0].message.content)
+    assert set(value) == {"city"} and isinstance(value["city"], str) and len(value["city"]) <= 12
+
+
+def test_json_object_response_format_gives_json(client):
+    out = client.chat.completions.create(
+        model="x", messages=[{"role": "user", "content": "Give me a JSON object with your name."}], temperature=0,
+        max_tokens=60, response_format={"type": "json_object"})
+    if out.choices[0].finish_reason == "stop":
+        json.loads(out.choices[0].message.content)
+
+
+def test_tgi_regex_grammar_constrains_output(server):
+    r = httpx.post(f"{server.url}/generate", timeout=60, json={
+        "inputs": "Is Paris in France? Answer yes or no:", "parameters": {
+            "max_new_tokens": 5, "grammar": {"type": "regex", "value": "(yes|no)"}}})
+    assert r.status_code == 200, r.text
+    assert r.json()["generated_text"].strip() in ("yes", "no")
