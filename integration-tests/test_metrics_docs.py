@@ -4,6 +4,7 @@
 import re
 
 import httpx
+import pytest
 
 
 def test_metrics_after_requests(server):
@@ -38,12 +39,14 @@ def test_openapi_spec(server):
     assert {"max_new_tokens", "best_of", "grammar", "top_n_tokens"} <= set(params)
 
 
-def test_docs_page_is_self_contained(server):
-    r = httpx.get(f"{server.url}/docs")
+@pytest.mark.parametrize("path", ["/docs", "/docs/"])
+def test_docs_page_is_self_contained(server, path):
+    r = httpx.get(server.url + path)
     assert r.status_code == 200 and "text/html" in r.headers["content-type"]
     # Every script and stylesheet comes from this server (works offline).
     assets = re.findall(r'(?:src|href)="([^"]+)"', r.text)
     assert assets and all(a.startswith("/docs/") for a in assets), assets
     for a in assets:
-        assert httpx.get(server.url + a).status_code == 200, a
+        asset = httpx.get(server.url + a)
+        assert asset.status_code == 200 and len(asset.content) > 1000, a
     assert "/openapi.json" in r.text

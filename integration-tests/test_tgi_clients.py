@@ -157,3 +157,19 @@ def test_info_has_tgi_fields(server):
                 "max_stop_sequences", "version", "model_pipeline_tag"):
         assert key in info, key
     assert info["has_chat_template"] is True and info["api_key_required"] is False
+
+
+@pytest.mark.parametrize("fmt", [
+    # huggingface_hub rewrites this into TGI's {"type": "json_object", "value": schema}
+    lambda s: {"type": "json_schema", "json_schema": {"name": "answer", "schema": s}},
+    lambda s: {"type": "json", "value": s},  # TGI's own chat form
+])
+def test_hf_chat_completion_response_format(server, fmt):
+    import json
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    client = InferenceClient(base_url=server.url, timeout=120)
+    out = client.chat_completion([{"role": "user", "content": "Capital of France, as JSON?"}], max_tokens=40,
+                                 temperature=0, response_format=fmt(schema))
+    assert set(json.loads(out.choices[0].message.content)) == {"city"}

@@ -19,13 +19,22 @@ pub enum GrammarParam {
     Regex(String),
 }
 
-/// OpenAI's `response_format`.
+/// OpenAI's `response_format`, plus TGI's chat forms that huggingface_hub's
+/// `chat_completion` sends: `{"type": "json_object", "value": schema}` (what
+/// it turns `json_schema` into), `{"type": "json", "value": schema}`,
+/// `{"type": "regex", "value": ...}`.
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum ResponseFormat {
     Text,
-    JsonObject,
+    JsonObject {
+        /// TGI extension: a schema; absent means any JSON value (OpenAI).
+        #[serde(default)]
+        value: Option<serde_json::Value>,
+    },
     JsonSchema { json_schema: JsonSchemaFormat },
+    Json { value: serde_json::Value },
+    Regex { value: String },
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -40,10 +49,14 @@ impl ResponseFormat {
     pub fn to_grammar(&self) -> Option<GrammarParam> {
         match self {
             ResponseFormat::Text => None,
-            ResponseFormat::JsonObject => Some(GrammarParam::Json(serde_json::json!({}))),
+            ResponseFormat::JsonObject { value } => {
+                Some(GrammarParam::Json(value.clone().unwrap_or_else(|| serde_json::json!({}))))
+            }
             ResponseFormat::JsonSchema { json_schema } => Some(GrammarParam::Json(
                 json_schema.schema.clone().unwrap_or(serde_json::Value::Null),
             )),
+            ResponseFormat::Json { value } => Some(GrammarParam::Json(value.clone())),
+            ResponseFormat::Regex { value } => Some(GrammarParam::Regex(value.clone())),
         }
     }
 }
@@ -131,5 +144,11 @@ mod tests {
         let missing: ResponseFormat = serde_json::from_value(serde_json::json!(
             {"type": "json_schema", "json_schema": {"name": "x"}})).unwrap();
         assert!(validate(&missing.to_grammar().unwrap()).is_err());
+        let hf: ResponseFormat = serde_json::from_value(serde_json::json!(
+            {"type": "json_object", "value": {"type": "integer"}})).unwrap();
+        assert_eq!(validate(&hf.to_grammar().unwrap()).unwrap().value, r#"{"type":"integer"}"#);
+        let tgi: ResponseFormat = serde_json::from_value(serde_json::json!(
+            {"type": "regex", "value": "a+"})).unwrap();
+        assert_eq!(validate(&tgi.to_grammar().unwrap()).unwrap().r#type, pb::GrammarType::Regex as i32);
     }
 }

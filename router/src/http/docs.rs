@@ -34,12 +34,37 @@ pub async fn openapi_json() -> Json<utoipa::openapi::OpenApi> {
     Json(ApiDoc::openapi())
 }
 
+/// Swagger UI's page; its script and stylesheet are the crate's embedded
+/// copies under /docs/assets, so the page needs no network.
+const INDEX: &str = r##"<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8" />
+<meta name="viewport" content="width=device-width, initial-scale=1" />
+<title>pagemill API</title>
+<link rel="stylesheet" href="/docs/assets/swagger-ui.css" />
+</head>
+<body>
+<div id="swagger-ui"></div>
+<script src="/docs/assets/swagger-ui-bundle.js"></script>
+<script>
+window.onload = () => { window.ui = SwaggerUIBundle({ url: "/openapi.json", dom_id: "#swagger-ui" }); };
+</script>
+</body>
+</html>
+"##;
+
+/// `/docs` (and `/docs/`): our own index with absolute asset paths, since the
+/// crate's index builds them from the request path (`/docs/` would break).
 pub fn swagger_ui() -> axum::Router {
+    let index = || async { axum::response::Html(INDEX) };
     swagger_ui_dist::generate_routes(swagger_ui_dist::ApiDefinition {
-        uri_prefix: "/docs",
+        uri_prefix: "/docs/assets",
         api_definition: swagger_ui_dist::OpenApiSource::Uri("/openapi.json"),
         title: Some("pagemill API"),
     })
+    .route("/docs", axum::routing::get(index))
+    .route("/docs/", axum::routing::get(index))
 }
 
 #[cfg(test)]
