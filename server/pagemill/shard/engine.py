@@ -257,10 +257,9 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
         shaped = self.sampler.shape(self.model.compute_logits(hidden), rows, self._wait(masks))
         tokens = verify(self.sampler, self.sampler.target_probs(shaped, rows), counts, proposals, reqs, draft_q)
-        ids = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
-        for off, toks in zip(offsets, tokens):
-            ids[off : off + len(toks)] = torch.tensor(toks, device=self.device)
-        out = self.sampler.report(ids, shaped, rows)
+        # Each row's chosen token, for its logprob (rows past a rejection report a dummy 0).
+        ids = [t for toks, c in zip(tokens, counts) for t in toks + [0] * (c - len(toks))]
+        out = self.sampler.report(torch.tensor(ids, device=self.device), shaped, rows)
         return [
             Emitted(toks, out.logprobs[off : off + len(toks)],
                     list(zip(out.top_ids[off : off + len(toks)], out.top_logprobs[off : off + len(toks)])))
