@@ -70,8 +70,8 @@ class MiniRouter:
             table.append(self.free.pop())
         return [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
 
-    def generate(self, batch_prompts: list[list[int]], max_new: int) -> tuple[int, int]:
-        """Runs one batch to completion; returns (generated tokens, decode steps)."""
+    def generate(self, batch_prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], int]:
+        """Runs one batch to completion; returns (tokens of each request, decode steps)."""
         k = self.runner.speculate
         reqs, fed = [], {}
         for rid, p in enumerate(batch_prompts):
@@ -81,14 +81,16 @@ class MiniRouter:
                                    stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new)))
             fed[rid] = len(p)
         batch = self.runner.new_batch(pb.Batch(id=0, requests=reqs))
-        tokens = sum(len(g.tokens.ids) for g in self.runner.prefill(batch).generations)
+        tokens: list[list[int]] = [[] for _ in batch_prompts]
+        for g in self.runner.prefill(batch).generations:
+            tokens[g.request_id] += g.tokens.ids
         steps = 0
         while batch.requests:
             slots = [pb.RequestSlots(request_id=r.id, slots=self._slots(r.id, fed[r.id], fed[r.id] + k + 1),
                                      block_table=self.tables[r.id]) for r in batch.requests]
             for g in self.runner.decode(batch, slots).generations:
                 fed[g.request_id] += len(g.tokens.ids)
-                tokens += len(g.tokens.ids)
+                tokens[g.request_id] += g.tokens.ids
             steps += 1
         for table in self.tables.values():
             self.free += table
@@ -99,14 +101,16 @@ class MiniRouter:
 def measure(runner: ModelRunner, all_prompts, batch: int, max_new: int, repeats: int) -> dict:
     router = MiniRouter(runner)
     router.generate(all_prompts[:batch], 4)  # warm the caches of this shape
-    tokens = steps = 0
+    outputs, steps = [], 0
     start = time.perf_counter()
     for i in range(repeats):
         chunk = [all_prompts[(i * batch + j) % len(all_prompts)] for j in range(batch)]
         t, s = router.generate(chunk, max_new)
-        tokens, steps = tokens + t, steps + s
+        outputs, steps = outputs + t, steps + s
     elapsed = time.perf_counter() - start
-    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "decode_steps": steps}
+    tokens = sum(map(len, outputs))
+    return {"tokens": tokens, "seconds": elapsed, "tokens_per_s": tokens / elapsed, "decode_steps": steps,
+            "outputs": outputs}
 
 
 def main() -> None:
@@ -138,14 +142,16 @@ def main() -> None:
     for b in [int(x) for x in a.batch_sizes.split(",")]:
         base = measure(runners[0], all_prompts, b, a.max_new_tokens, a.repeats)
         spec = measure(runners[a.speculate], all_prompts, b, a.max_new_tokens, a.repeats)
-        rows.append({"batch": b, "baseline": base, "ngram": spec,
+        identical = base.pop("outputs") == spec.pop("outputs")  # greedy: speculation must not change a token
+        rows.append({"batch": b, "baseline": base, "ngram": spec, "identical_tokens": identical,
                      "speedup": spec["tokens_per_s"] / base["tokens_per_s"]})
     print(f"model {Path(model_dir).name}, {a.device} {a.dtype}, speculate={a.speculate} (n-gram), "
           f"max_new_tokens={a.max_new_tokens}, greedy")
-    print(f"{'batch':>5} | {'no spec tok/s':>13} | {'n-gram tok/s':>12} | {'speedup':>7} | {'decode steps':>13}")
+    print(f"{'batch':>5} | {'no spec tok/s':>13} | {'n-gram tok/s':>12} | {'speedup':>7} | {'decode steps':>13} | same")
     for r in rows:
         print(f"{r['batch']:>5} | {r['baseline']['tokens_per_s']:>13.1f} | {r['ngram']['tokens_per_s']:>12.1f} | "
-              f"{r['speedup']:>6.2f}x | {r['baseline']['decode_steps']:>5} -> {r['ngram']['decode_steps']:<5}")
+              f"{r['speedup']:>6.2f}x | {r['baseline']['decode_steps']:>5} -> {r['ngram']['decode_steps']:<5} | "
+              f"{r['identical_tokens']}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": Path(model_dir).name, "device": a.device, "dtype": a.dtype, "speculate": a.speculate,

@@ -17,6 +17,7 @@ depends on the tokens before it in ways the batched verifier does not model.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -33,8 +34,8 @@ from pagemill.config import ShardConfig
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.loader import dtype_name, load_model, parse_dtype
-from pagemill.proto import pb
 from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMasker
+from pagemill.proto import pb
 from pagemill.sampling.sampler import Sampler
 from pagemill.shard.batch import RequestState, ShardBatch
 from pagemill.shard.errors import ShardError
@@ -251,7 +252,7 @@ class ModelRunner:
         inputs = batch.verify_inputs(proposals, slots, self.device)
         counts = [1 + len(p) for p in proposals]
         rows = [r for r, c in zip(reqs, counts) for _ in range(c)]  # one row per fed position
-        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        offsets = [0, *itertools.accumulate(counts)][:-1]
         # Requests with a grammar have no proposals: one row each, at their offset.
         masks = self._start_masks(reqs, offsets)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
