@@ -137,3 +137,28 @@ def test_default_model_writes_valid_json(default_model_dir, tokenizer):
     for i, schema in enumerate(schemas):
         assert out[i]["finish"] == pb.FINISH_REASON_EOS_TOKEN, out[i]
         jsonschema.validate(json.loads(tokenizer.decode(out[i]["ids"][:-1])), schema)
+
+
+def test_service_prefill_answers_a_bad_grammar_per_request(tiny_dir):
+    """Through ShardService: the RPC succeeds, the bad request gets `error`, the cached batch
+    holds only the good one, and Info reports speculate."""
+    import asyncio
+
+    from pagemill.shard.service import ShardService
+
+    runner = make_runner(tiny_dir, speculate=3)
+    service = ShardService(runner)
+    assert asyncio.run(service.Info(pb.InfoRequest(), None)).speculate == 3
+    driver = Driver(runner)
+
+    def request(rid, grammar):
+        return pb.Request(id=rid, input_ids=[5, 6, 7], block_table=driver._grow(rid, 3), slots=driver._slots(rid, 0, 3),
+                          stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=4), grammar=grammar)
+
+    bad = pb.Grammar(type=REGEX, value="(unclosed")
+    resp = asyncio.run(service.Prefill(pb.PrefillRequest(batch=pb.Batch(id=7, requests=[
+        request(1, None), request(2, bad)])), None))  # fmt: skip
+    by_id = {g.request_id: g for g in resp.generations}
+    assert "invalid regex" in by_id[2].error and len(by_id[2].tokens.ids) == 0
+    assert len(by_id[1].tokens.ids) == 1 and not by_id[1].error
+    assert list(resp.batch.request_ids) == [1]
