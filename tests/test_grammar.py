@@ -162,3 +162,19 @@ def test_service_prefill_answers_a_bad_grammar_per_request(tiny_dir):
     assert "invalid regex" in by_id[2].error and len(by_id[2].tokens.ids) == 0
     assert len(by_id[1].tokens.ids) == 1 and not by_id[1].error
     assert list(resp.batch.request_ids) == [1]
+
+
+def test_a_preempted_constrained_request_resumes_its_grammar(tiny_dir, tokenizer):
+    """Re-prefilled with its generated tokens (generated_len), the grammar continues after them."""
+    pattern = r"(abc|xyz)[0-9]{3}"
+    full = Driver(make_runner(tiny_dir)).run([[100, 200]], 20, grammars=[pb.Grammar(type=REGEX, value=pattern)])[0]
+    head = full["ids"][:1]
+    runner = make_runner(tiny_dir)
+    driver = Driver(runner)
+    ids = [100, 200, *head]
+    req = pb.Request(id=0, input_ids=ids, block_table=driver._grow(0, len(ids)), slots=driver._slots(0, 0, len(ids)),
+                     generated_len=len(head), grammar=pb.Grammar(type=REGEX, value=pattern),
+                     stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=19, ignore_eos_token=True))
+    gens = runner.prefill(runner.new_batch(pb.Batch(id=0, requests=[req]))).generations
+    assert not gens[0].error and list(gens[0].tokens.ids) == full["ids"][1:2]
+    assert re.fullmatch(pattern, tokenizer.decode(full["ids"][:-1]))

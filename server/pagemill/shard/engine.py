@@ -186,6 +186,9 @@ class ModelRunner:
                     r.grammar = self.grammars.compile(req.grammar)
                 except GrammarError as e:
                     r.error = str(e)  # the request is still computed (forks may read its KV), then dropped
+                    continue
+                if r.grammar is not None:  # after a preemption: replay what was generated before
+                    r.error = r.grammar.consume(r.token_ids[r.prompt_len :])
         return out
 
     def prefill(self, batch: ShardBatch) -> StepResult:
