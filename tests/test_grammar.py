@@ -137,3 +137,44 @@ def test_default_model_writes_valid_json(default_model_dir, tokenizer):
     for i, schema in enumerate(schemas):
         assert out[i]["finish"] == pb.FINISH_REASON_EOS_TOKEN, out[i]
         jsonschema.validate(json.loads(tokenizer.decode(out[i]["ids"][:-1])), schema)
+
+
+def test_service_prefill_answers_a_bad_grammar_per_request(tiny_dir):
+    """Through ShardService: the RPC succeeds, the bad request gets `error`, the cached batch
+    holds only the good one, and Info reports speculate."""
+    import asyncio
+
+    from pagemill.shard.service import ShardService
+
+    runner = make_runner(tiny_dir, speculate=3)
+    service = ShardService(runner)
+    assert asyncio.run(service.Info(pb.InfoRequest(), None)).speculate == 3
+    driver = Driver(runner)
+
+    def request(rid, grammar):
+        return pb.Request(id=rid, input_ids=[5, 6, 7], block_table=driver._grow(rid, 3), slots=driver._slots(rid, 0, 3),
+                          stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=4), grammar=grammar)
+
+    bad = pb.Grammar(type=REGEX, value="(unclosed")
+    resp = asyncio.run(service.Prefill(pb.PrefillRequest(batch=pb.Batch(id=7, requests=[
+        request(1, None), request(2, bad)])), None))  # fmt: skip
+    by_id = {g.request_id: g for g in resp.generations}
+    assert "invalid regex" in by_id[2].error and len(by_id[2].tokens.ids) == 0
+    assert len(by_id[1].tokens.ids) == 1 and not by_id[1].error
+    assert list(resp.batch.request_ids) == [1]
+
+
+def test_a_preempted_constrained_request_resumes_its_grammar(tiny_dir, tokenizer):
+    """Re-prefilled with its generated tokens (generated_len), the grammar continues after them."""
+    pattern = r"(abc|xyz)[0-9]{3}"
+    full = Driver(make_runner(tiny_dir)).run([[100, 200]], 20, grammars=[pb.Grammar(type=REGEX, value=pattern)])[0]
+    head = full["ids"][:1]
+    runner = make_runner(tiny_dir)
+    driver = Driver(runner)
+    ids = [100, 200, *head]
+    req = pb.Request(id=0, input_ids=ids, block_table=driver._grow(0, len(ids)), slots=driver._slots(0, 0, len(ids)),
+                     generated_len=len(head), grammar=pb.Grammar(type=REGEX, value=pattern),
+                     stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=19, ignore_eos_token=True))
+    gens = runner.prefill(runner.new_batch(pb.Batch(id=0, requests=[req]))).generations
+    assert not gens[0].error and list(gens[0].tokens.ids) == full["ids"][1:2]
+    assert re.fullmatch(pattern, tokenizer.decode(full["ids"][:-1]))

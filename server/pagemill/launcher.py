@@ -140,8 +140,9 @@ class Launcher:
                     "--kv-cache-memory", str(a.kv_cache_memory), "--attention", a.attention,
                     "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(a.num_threads),
                     "--speculate", str(a.speculate), "--speculate-method", a.speculate_method]
-            if a.draft_model:
-                argv += ["--draft-model", str(resolve_model(a.draft_model, cache_dir=Path(a.cache_dir) if a.cache_dir else None))]
+            if a.draft_model:  # a .gguf draft is converted like the target
+                cache = Path(a.cache_dir) if a.cache_dir else None
+                argv += ["--draft-model", str(resolve_model(a.draft_model, cache_dir=cache))]
             self.children.append(_spawn(f"shard {rank}", argv, env))
         dead = self._wait(f"loading model on {a.num_shard} shard(s)",
                           lambda: all(_shard_healthy(s) for s in socks))

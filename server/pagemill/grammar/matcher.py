@@ -80,7 +80,10 @@ class GrammarCompiler:
                     raise GrammarError(f"constrained decoding needs {path}, which does not exist")
                 with open(path) as f:
                     text = f.read()
-                self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+                try:
+                    self._tokenizer = llguidance.LLTokenizer(text, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+                except Exception as e:  # an unusual tokenizer.json: this request fails, the shard goes on
+                    raise GrammarError(f"cannot build the grammar tokenizer from {path}: {e}") from None
             return self._tokenizer
 
     def compile(self, grammar) -> GrammarState | None:

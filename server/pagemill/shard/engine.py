@@ -17,6 +17,7 @@ depends on the tokens before it in ways the batched verifier does not model.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -33,8 +34,8 @@ from pagemill.config import ShardConfig
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.loader import dtype_name, load_model, parse_dtype
-from pagemill.proto import pb
 from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMasker
+from pagemill.proto import pb
 from pagemill.sampling.sampler import Sampler
 from pagemill.shard.batch import RequestState, ShardBatch
 from pagemill.shard.errors import ShardError
@@ -185,6 +186,9 @@ class ModelRunner:
                     r.grammar = self.grammars.compile(req.grammar)
                 except GrammarError as e:
                     r.error = str(e)  # the request is still computed (forks may read its KV), then dropped
+                    continue
+                if r.grammar is not None:  # after a preemption: replay what was generated before
+                    r.error = r.grammar.consume(r.token_ids[r.prompt_len :])
         return out
 
     def prefill(self, batch: ShardBatch) -> StepResult:
@@ -251,16 +255,15 @@ class ModelRunner:
         inputs = batch.verify_inputs(proposals, slots, self.device)
         counts = [1 + len(p) for p in proposals]
         rows = [r for r, c in zip(reqs, counts) for _ in range(c)]  # one row per fed position
-        offsets = [sum(counts[:i]) for i in range(len(counts))]
+        offsets = [0, *itertools.accumulate(counts)][:-1]
         # Requests with a grammar have no proposals: one row each, at their offset.
         masks = self._start_masks(reqs, offsets)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
         shaped = self.sampler.shape(self.model.compute_logits(hidden), rows, self._wait(masks))
         tokens = verify(self.sampler, self.sampler.target_probs(shaped, rows), counts, proposals, reqs, draft_q)
-        ids = torch.zeros(len(rows), dtype=torch.int64, device=self.device)
-        for off, toks in zip(offsets, tokens):
-            ids[off : off + len(toks)] = torch.tensor(toks, device=self.device)
-        out = self.sampler.report(ids, shaped, rows)
+        # Each row's chosen token, for its logprob (rows past a rejection report a dummy 0).
+        ids = [t for toks, c in zip(tokens, counts) for t in toks + [0] * (c - len(toks))]
+        out = self.sampler.report(torch.tensor(ids, device=self.device), shaped, rows)
         return [
             Emitted(toks, out.logprobs[off : off + len(toks)],
                     list(zip(out.top_ids[off : off + len(toks)], out.top_logprobs[off : off + len(toks)])))

@@ -41,10 +41,9 @@ def verify(
     cols = torch.arange(width + 1, device=dev)
     # Row of position j of request r (clamped: padded positions repeat the last row).
     p = target[offsets[:, None] + torch.minimum(cols[None, :], n[:, None])]  # [R, K+1, V]
-    d = torch.zeros((num, max(width, 1)), dtype=torch.int64, device=dev)
-    for r, props in enumerate(proposals):
-        d[r, : len(props)] = torch.tensor(list(props), dtype=torch.int64)
-    d = d[:, :width]
+    # Built on the host and copied once: one small copy per request would cost a sync each.
+    d = torch.tensor([list(x) + [0] * (width - len(x)) for x in proposals], dtype=torch.int64)
+    d = d.reshape(num, width).to(dev)
     ar = torch.arange(num, device=dev)
 
     p_x = p[:, :width].gather(2, d[..., None]).squeeze(2)  # [R, K]
