@@ -173,6 +173,11 @@ def part1(a, model_dir: str, tok) -> dict:
             res["preemptions"] = after["pagemill_preemptions_total"] - before["pagemill_preemptions_total"]
             res["decode_steps"] = after["pagemill_decode_steps_total"] - before["pagemill_decode_steps_total"]
             res["blocks_free_at_end"] = after["pagemill_kv_blocks_free"]
+            # Prompt tokens computed beyond each prompt once: the recompute preemption cost.
+            res["recomputed_tokens"] = (after["pagemill_prefill_tokens_total"] - before["pagemill_prefill_tokens_total"]
+                                        - (after["pagemill_prompt_tokens_total"] - before["pagemill_prompt_tokens_total"]))
+            res["generated_tokens"] = (after["pagemill_generated_tokens_total"]
+                                       - before["pagemill_generated_tokens_total"])
         res["num_blocks"], res["block_size"] = inf["kv_blocks_total"], inf["block_size"]
         runs.append(res)
         print(f"  run {r}: utilization median {res['utilization_median']:.4f}, mean batch {res['batch_mean']:.1f}, "
@@ -212,10 +217,10 @@ def part2(a, model_dir: str, tok) -> dict:
     base = ["--model", model_dir, "--kv-cache-memory", a.prefix_kv_memory, "--max-input-tokens", "1024",
             "--max-total-tokens", "1200", "--max-batch-prefill-tokens", str(a.prefix_len * 4),
             "--max-concurrent-requests", str(len(prompts) + 8), "--num-threads", "1"]
-    out = {}
-    for label, extra in (("fifo", []), ("cache_aware", ["--cache-aware-admission"])):
-        rows = []
-        for r in range(a.repeats):
+    configs = (("fifo", []), ("cache_aware", ["--cache-aware-admission"]))
+    rows: dict[str, list[dict]] = {label: [] for label, _ in configs}
+    for r in range(a.repeats):  # alternate the two, so machine noise hits both alike
+        for label, extra in configs:
             with LaunchedServer(a.port, base + extra, os.path.join(a.out, f"server-{label}-{r}.log")) as s:
                 nb = info(s.base_url)["kv_blocks_total"]
                 before = scrape(s.base_url)
@@ -225,17 +230,16 @@ def part2(a, model_dir: str, tok) -> dict:
                 after = scrape(s.base_url)
             d = {k: after[k] - before[k] for k in ("pagemill_prefill_tokens_total", "pagemill_prompt_tokens_total",
                                                    "pagemill_prefix_hit_tokens_total", "pagemill_preemptions_total")}
-            rows.append({"wall_s": wall, "latency_median_s": statistics.median(lat), "num_blocks": nb,
-                         "prefill_tokens": d["pagemill_prefill_tokens_total"],
-                         "prompt_tokens": d["pagemill_prompt_tokens_total"],
-                         "prefix_hit_tokens": d["pagemill_prefix_hit_tokens_total"],
-                         "preemptions": d["pagemill_preemptions_total"]})
-            print(f"  {label} run {r}: {rows[-1]['prefill_tokens']:.0f} prompt tokens computed, "
+            rows[label].append({"wall_s": wall, "latency_median_s": statistics.median(lat), "num_blocks": nb,
+                                "prefill_tokens": d["pagemill_prefill_tokens_total"],
+                                "prompt_tokens": d["pagemill_prompt_tokens_total"],
+                                "prefix_hit_tokens": d["pagemill_prefix_hit_tokens_total"],
+                                "preemptions": d["pagemill_preemptions_total"]})
+            print(f"  {label} run {r}: {rows[label][-1]['prefill_tokens']:.0f} prompt tokens computed, "
                   f"{wall:.1f} s", flush=True)
-        out[label] = {"runs": rows, **{k: statistics.median(x[k] for x in rows)
-                                       for k in ("wall_s", "latency_median_s", "prefill_tokens", "prefix_hit_tokens",
-                                                 "prompt_tokens", "preemptions")}}
-    return {"groups": a.groups, "prefix_len": a.prefix_len, "requests": len(prompts),
+    keys = ("wall_s", "latency_median_s", "prefill_tokens", "prefix_hit_tokens", "prompt_tokens", "preemptions")
+    out = {label: {"runs": rs, **{k: statistics.median(x[k] for x in rs) for k in keys}} for label, rs in rows.items()}
+    return {"model": a.admission_model, "groups": a.groups, "prefix_len": a.prefix_len, "requests": len(prompts),
             "output_len": a.prefix_output, **out}
 
 
@@ -243,8 +247,11 @@ def part2(a, model_dir: str, tok) -> dict:
 
 
 def report(res: dict) -> str:
-    p1, lines = res["utilization"], []
+    lines = []
+    p1 = res.get("utilization")
     med = lambda k: statistics.median(r[k] for r in p1["runs"])  # noqa: E731
+    if p1 is None:
+        return report_admission(res)
     ours_batch, tgi = med("batch_mean"), p1["reservation"]
     lines += [f"KV pool: {p1['num_blocks']} blocks x {p1['block_size']} tokens; {p1['requests']} requests, "
               f"prompt ~{p1['prompt_len_mean']:.0f}, output U(16,512) mean {p1['output_len_mean']:.0f}, "
@@ -260,11 +267,19 @@ def report(res: dict) -> str:
               f"(analytic {p1['reservation_analytic_max']}) | {med('batch_max') / tgi['batch_max']:.2f}x |",
               f"| decode steps for the workload | {med('decode_steps'):.0f} | {tgi['steps']} | "
               f"{tgi['steps'] / med('decode_steps'):.2f}x fewer |",
-              f"| preemptions | {med('preemptions'):.0f} | 0 | |", ""]
+              f"| preemptions | {med('preemptions'):.0f} | 0 | |",
+              f"| tokens recomputed after preemption | {med('recomputed_tokens'):.0f} "
+              f"({med('recomputed_tokens') / med('generated_tokens'):.1%} of {med('generated_tokens'):.0f} generated) "
+              "| 0 | |", ""]
+    return "\n".join(lines) + "\n" + report_admission(res)
+
+
+def report_admission(res: dict) -> str:
+    lines = []
     if "admission" in res:
         p2 = res["admission"]
         f, c = p2["fifo"], p2["cache_aware"]
-        lines += [f"Cache-aware admission: {p2['groups']} system prompts of {p2['prefix_len']} tokens, "
+        lines += [f"Cache-aware admission ({p2['model']} model): {p2['groups']} system prompts of {p2['prefix_len']} tokens, "
                   f"{p2['requests']} interleaved requests, pool {f['runs'][0]['num_blocks']} blocks",
                   "",
                   "| | FIFO | cache-aware | ratio |", "| --- | ---: | ---: | ---: |",
@@ -312,7 +327,9 @@ def main() -> None:
     p.add_argument("--prefix-requests", type=int, default=256)
     p.add_argument("--prefix-output", type=int, default=32)
     p.add_argument("--prefix-kv-memory", default="1536KiB", help="KV pool of part 2 (192 blocks on the tiny model)")
-    p.add_argument("--skip-admission", action="store_true")
+    p.add_argument("--parts", default="utilization,admission", help="which parts to run, comma-separated")
+    p.add_argument("--admission-model", default="tiny", choices=["tiny", "default"],
+                   help="part 2 on the tiny model (token counts) or SmolLM2 (where prefill time shows)")
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True)
     from tokenizers import Tokenizer
@@ -320,19 +337,21 @@ def main() -> None:
     default = str(ensure_default_model())
     tok = Tokenizer.from_file(os.path.join(default, "tokenizer.json"))
     with tempfile.TemporaryDirectory() as tmp:
-        model = tiny_model(tmp, default)
-        print("part 1: utilization and concurrency", flush=True)
-        res = {"utilization": part1(a, model, tok)}
-        if not a.skip_admission:
+        model, parts, res = tiny_model(tmp, default), a.parts.split(","), {}
+        if "utilization" in parts:
+            print("part 1: utilization and concurrency", flush=True)
+            res["utilization"] = part1(a, model, tok)
+        if "admission" in parts:
             print("part 2: cache-aware admission", flush=True)
-            res["admission"] = part2(a, model, tok)
+            res["admission"] = part2(a, model if a.admission_model == "tiny" else default, tok)
     table = report(res)
     print(table)
     with open(os.path.join(a.out, "kv_cache.json"), "w") as f:
         json.dump({"args": vars(a), **res}, f, indent=1)
     with open(os.path.join(a.out, "kv_cache.md"), "w") as f:
         f.write(table + "\n")
-    plot(res, os.path.join(a.out, "kv_cache.png"))
+    if "utilization" in res:
+        plot(res, os.path.join(a.out, "kv_cache.png"))
 
 
 if __name__ == "__main__":
