@@ -80,6 +80,7 @@ def test_losing_a_nonzero_rank_fails_the_request(tiny_model_dir):
         os.kill(rank1[0], signal.SIGKILL)
         events = fut.result(timeout=120)
         took = time.monotonic() - start
+    print(f"\nrank 1 killed: stream ended with an error after {took:.1f}s")
     assert events and events[-1].get("error_type") == "generation", events[-1:]
     assert took < 60, f"the error took {took:.0f}s"
     assert s.proc.wait(60) != 0

@@ -27,6 +27,7 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.vocab, self.group = vocab, group
         self.weight = nn.Parameter(torch.empty(vocab.size, hidden_size))
+        nn.init.normal_(self.weight)  # nn.Embedding's init (a no-op on the meta device the loader uses)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:

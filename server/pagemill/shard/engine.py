@@ -21,7 +21,7 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -149,6 +149,10 @@ class ModelRunner:
     # --- warmup ----------------------------------------------------------------------
 
     def warmup(self, req) -> "pb.WarmupResponse":
+        with self._on_device():
+            return self._warmup(req)
+
+    def _warmup(self, req) -> "pb.WarmupResponse":
         if req.max_batch_prefill_tokens == 0 or req.max_input_tokens == 0:
             raise ShardError(
                 grpc.StatusCode.INVALID_ARGUMENT, "max_batch_prefill_tokens and max_input_tokens must be > 0"
@@ -291,12 +295,19 @@ class ModelRunner:
             raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "Warmup must be called before Prefill/Decode")
         return self.pool
 
+    def _on_device(self):
+        """Makes this shard's GPU current for the calling thread. The service runs model
+        calls in worker threads, whose current device is cuda:0 whatever the main thread
+        set; kernels launched on the current device's stream (Triton) and NCCL need the
+        rank's own GPU (cuda:1.. under tensor parallelism)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+
     @contextmanager
     def _guard(self):
         # A failure inside the forward is a bug or a device fault, not bad
         # input (that was rejected earlier): report it and fail Health.
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._on_device():
                 yield
         except Exception as e:
             self.broken = f"{type(e).__name__}: {e}"
