@@ -50,7 +50,8 @@ def test_fewer_kv_heads_than_ranks_replicates_them():
     ]  # fmt: skip
 
 
-@pytest.mark.parametrize("heads,kv,world", [(9, 3, 2), (9, 3, 3), (8, 2, 4), (6, 3, 4), (4, 1, 2), (32, 8, 8), (9, 3, 9)])
+@pytest.mark.parametrize("heads,kv,world",
+                         [(9, 3, 2), (9, 3, 3), (8, 2, 4), (6, 3, 4), (4, 1, 2), (32, 8, 8), (9, 3, 9)])
 def test_every_query_head_is_computed_once_with_its_own_kv_head(heads, kv, world):
     seen = []
     for r in range(world):
@@ -198,7 +199,7 @@ def test_two_rank_model_matches_one_rank(tp_model_dirs):
 # --- the runner: pool sizing and identical sampling on every rank ------------------------
 
 
-def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0) -> dict:
+def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0, draft: bool = False) -> dict:
     """Warmup, then one batch (greedy, unseeded sampled, seeded sampled with top-n and prompt
     logprobs) to completion through ModelRunner, playing the router like test_shard_service."""
     from test_shard_service import FakeRouter, collect
@@ -209,7 +210,8 @@ def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0) -
 
     cfg = ShardConfig(model_dir=model_dir, uds_path="unused", rank=group.rank if group else 0,
                       world_size=group.world_size if group else 1, block_size=4, kv_cache_memory=1 << 20,
-                      speculate=speculate)  # fmt: skip
+                      speculate=speculate, speculate_method="draft" if draft else "ngram",
+                      draft_model=model_dir if draft else None)  # fmt: skip
     runner = ModelRunner.from_shard_config(cfg, group)
     warm = runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_input_tokens=32, max_total_tokens=64,
                                           max_batch_size=8))  # fmt: skip
@@ -235,7 +237,8 @@ def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0) -
             slots.append(pb.RequestSlots(request_id=r.id, block_table=router.tables[r.id],
                                          slots=[router.slot(r.id, p) for p in range(pos, pos + speculate + 1)]))
         collect(runner.decode(batch, slots).generations, out)
-    return {"num_blocks": warm.num_blocks, "pool_heads": runner.pool.storage.shape[-2], "out": out, "prompt": prompt}
+    return {"num_blocks": warm.num_blocks, "pool_heads": runner.pool.storage.shape[-2], "out": out, "prompt": prompt,
+            "params": sum(p.numel() for p in runner.model.parameters())}
 
 
 def test_ranks_agree_on_pool_size_and_every_sampled_token(tp_model_dirs):
@@ -252,8 +255,11 @@ def test_ranks_agree_on_pool_size_and_every_sampled_token(tp_model_dirs):
         diff = max(abs(a - b) for a, b in zip(r0["out"][rid]["logprobs"], ref["out"][rid]["logprobs"]))
         assert diff < 1e-4, (rid, diff)
     assert len(r0["out"][2]["ids"]) == 8
+    # Each rank holds its slices only (norms are the only replicated weights here).
+    assert max(r0["params"], r1["params"]) < 0.7 * ref["params"] < r0["params"] + r1["params"] < 1.01 * ref["params"]
 
 
-def test_ranks_agree_with_speculation(tp_model_dirs):
-    r0, r1 = run_ranks(_generate, tp_model_dirs["llama_uneven_tp"], 2)
+@pytest.mark.parametrize("draft", [False, True], ids=["ngram", "draft"])
+def test_ranks_agree_with_speculation(tp_model_dirs, draft):
+    r0, r1 = run_ranks(_generate, tp_model_dirs["llama_uneven_tp"], 2, draft)
     assert r0["out"] == r1["out"]

@@ -90,7 +90,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig, intermediate: Range | None = None, group: ParallelGroup | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, intermediate: Range | None = None, group: ParallelGroup | None = None
+    ) -> None:
         """intermediate: the slice of the intermediate features this rank computes (all by default)."""
         super().__init__()
         h, bias = config.hidden_size, config.mlp_bias
