@@ -87,3 +87,56 @@ def test_losing_a_nonzero_rank_fails_the_request(tiny_model_dir):
     assert took < 60, f"the error took {took:.0f}s"
     assert s.proc.wait(60) != 0
     assert "shard 1 exited" in s.logs()
+
+
+def test_shards_started_from_the_environment(tiny_model_dir, tmp_path):
+    """The documented multi-node recipe on one machine: `pagemill shard` per rank
+    configured only through RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT, then
+    `pagemill router` over their sockets in rank order."""
+    import subprocess
+    import sys
+
+    from server import free_port
+
+    socks = [str(tmp_path / f"shard-{r}.sock") for r in range(2)]
+    port, master = free_port(), str(free_port())
+    procs = []
+    try:
+        for r, sock in enumerate(socks):
+            env = dict(os.environ, RANK=str(r), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=master)
+            procs.append(subprocess.Popen([sys.executable, "-m", "pagemill", "shard", "--model-dir",
+                                           str(tiny_model_dir), "--uds-path", sock, "--kv-cache-memory", "64MiB",
+                                           "--num-threads", "1"], env=env))  # fmt: skip
+        argv = [sys.executable, "-m", "pagemill", "router", "--tokenizer-dir", str(tiny_model_dir),
+                "--port", str(port), "--max-batch-prefill-tokens", "256", "--max-input-tokens", "128",
+                "--max-total-tokens", "256"]  # fmt: skip
+        for sock in socks:
+            argv += ["--shard-uds-path", sock]
+        procs.append(subprocess.Popen(argv))
+        deadline = time.monotonic() + 180
+        while True:
+            assert all(p.poll() is None for p in procs), [p.returncode for p in procs]
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "router not healthy"
+            time.sleep(0.5)
+        info = httpx.get(f"http://127.0.0.1:{port}/info", timeout=10).json()
+        assert info["num_shards"] == 2
+        r = httpx.post(f"http://127.0.0.1:{port}/generate", timeout=60,
+                       json={"inputs": "hello", "parameters": {"max_new_tokens": 5, "details": True}})
+        assert r.status_code == 200 and len(r.json()["details"]["tokens"]) == 5, r.text
+        for p in reversed(procs):  # router first, then the shards: all exit cleanly
+            p.send_signal(signal.SIGTERM)
+            assert p.wait(60) == 0
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in reversed(procs):
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
