@@ -409,14 +409,6 @@ def test_stale_regular_file_is_not_replaced(tmp_path):
     assert path.read_text() == "precious"
 
 
-def test_serve_refuses_tensor_parallel_for_now(tmp_path):
-    from pagemill.config import ShardConfig
-    from pagemill.shard.main import serve
-
-    with pytest.raises(NotImplementedError, match="tensor parallelism"):
-        serve(ShardConfig(model_dir=str(tmp_path), uds_path=str(tmp_path / "s.sock"), world_size=2))
-
-
 def test_health_fails_once_a_forward_broke(tmp_path):
     from pagemill.config import ShardConfig
     from pagemill.shard.engine import ModelRunner

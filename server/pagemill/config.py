@@ -13,6 +13,8 @@ class ShardConfig:
     world_size: int = 1
     master_addr: str = "127.0.0.1"
     master_port: int = 29500
+    local_rank: int | None = None  # GPU index on this node (default: rank % visible GPUs)
+    dist_timeout_s: float = 300.0  # how long a collective waits for a lost peer before failing
     dtype: str = "float32"  # float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda
     block_size: int = 16

@@ -86,6 +86,15 @@ def _shard_healthy(uds_path: str) -> bool:
             return False
 
 
+def _threads_per_shard(a: argparse.Namespace) -> int:
+    """CPU shards of one group split the cores between them: each torch process
+    otherwise starts one thread per core, and N of them oversubscribe the machine
+    while they wait on each other at every collective."""
+    if a.num_threads > 0 or a.device != "cpu" or a.num_shard == 1:
+        return a.num_threads
+    return max(1, (os.cpu_count() or 1) // a.num_shard)
+
+
 def _router_healthy(host: str, port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
@@ -132,18 +141,26 @@ class Launcher:
         _progress(f"pagemill: model {model_dir}", final=True)
         sock_dir = tempfile.mkdtemp(prefix="pagemill-")
         socks = [os.path.join(sock_dir, f"shard-{r}.sock") for r in range(a.num_shard)]
+        if a.num_shard < 1:
+            raise ValueError(f"--num-shard must be >= 1, got {a.num_shard}")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        threads = _threads_per_shard(a)
         for rank, sock in enumerate(socks):
+            # torch.distributed's environment for a single-node group (the flags below say the same;
+            # the env is what libraries inside the shard, e.g. NCCL, look at).
+            shard_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(a.num_shard),
+                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.master_port))
             argv = [sys.executable, "-m", "pagemill", "shard", "--model-dir", model_dir, "--uds-path", sock,
-                    "--rank", str(rank), "--world-size", str(a.num_shard), "--master-port", str(a.master_port),
+                    "--rank", str(rank), "--world-size", str(a.num_shard), "--master-addr", "127.0.0.1",
+                    "--master-port", str(a.master_port), "--local-rank", str(rank),
                     "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
                     "--kv-cache-memory", str(a.kv_cache_memory), "--attention", a.attention,
-                    "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(a.num_threads),
+                    "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(threads),
                     "--speculate", str(a.speculate), "--speculate-method", a.speculate_method]
             if a.draft_model:  # a .gguf draft is converted like the target
                 cache = Path(a.cache_dir) if a.cache_dir else None
                 argv += ["--draft-model", str(resolve_model(a.draft_model, cache_dir=cache))]
-            self.children.append(_spawn(f"shard {rank}", argv, env))
+            self.children.append(_spawn(f"shard {rank}", argv, shard_env))
         dead = self._wait(f"loading model on {a.num_shard} shard(s)",
                           lambda: all(_shard_healthy(s) for s in socks))
         if dead is not None:

@@ -13,7 +13,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagemill.models.config import ModelConfig, RopeScaling
-from pagemill.models.packed_linear import PackedLinear
+from pagemill.parallel.group import ParallelGroup
+from pagemill.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from pagemill.parallel.partition import Range
 
 
 class RMSNorm(nn.Module):
@@ -88,13 +90,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self, config: ModelConfig, intermediate: Range | None = None, group: ParallelGroup | None = None
+    ) -> None:
+        """intermediate: the slice of the intermediate features this rank computes (all by default)."""
         super().__init__()
-        h, i, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        # gate and up in one matmul; the loader fills rows [0, i) from the
-        # checkpoint's gate_proj and [i, 2i) from up_proj.
-        self.gate_up_proj = PackedLinear(h, 2 * i, bias=bias)
-        self.down_proj = PackedLinear(i, h, bias=bias)
+        h, bias = config.hidden_size, config.mlp_bias
+        i = intermediate.size if intermediate is not None else config.intermediate_size
+        self.intermediate_size = i
+        # gate and up in one matmul (column-parallel: this rank's i features of
+        # each); the loader fills rows [0, i) from the checkpoint's gate_proj and
+        # [i, 2i) from up_proj. down_proj is row-parallel: one all-reduce.
+        self.gate_up_proj = ColumnParallelLinear(h, 2 * i, bias=bias)
+        self.down_proj = RowParallelLinear(i, h, bias, group or ParallelGroup.single())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

@@ -6,10 +6,17 @@ except that q/k/v and gate/up projections are fused into one parameter each
 Unlike HF there is no
 batch dimension: all sequences of a step are packed into one [T] axis and
 attention finds each sequence's history in the paged KV pool.
+
+Under tensor parallelism (a ParallelGroup of world_size > 1) every rank builds
+the same module tree with its share of heads, intermediate features and
+vocabulary rows (parallel/partition.py) and loads only those slices
+(checkpoint_target); hidden states between layers are replicated, identical
+on all ranks.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -19,9 +26,24 @@ from pagemill.attention.backend import AttentionBackend
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.models.config import ModelConfig
 from pagemill.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
-from pagemill.models.packed_linear import PackedLinear, pack_all
+from pagemill.models.packed_linear import pack_all
+from pagemill.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
+from pagemill.parallel.group import ParallelGroup
+from pagemill.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from pagemill.parallel.partition import Range, TPLayout
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (k_cache, v_cache) of one layer
+
+
+@dataclass(frozen=True)
+class WeightTarget:
+    """Checkpoint tensor -> our parameter: rows `dest` of `param` (None: all of it) are
+    filled from the `src` slice along `src_dim` of the checkpoint tensor (None: all of it)."""
+
+    param: str
+    dest: Range | None
+    src_dim: int
+    src: Range | None
 
 # Checkpoint projections stored as row ranges of one fused parameter:
 # HF module name -> (our module name, index of its part in the fused rows).
@@ -35,10 +57,11 @@ STACKED_PARAMS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: TPLayout, group: ParallelGroup) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
+        # This rank's heads (all of them unless tensor-parallel; see parallel/partition.py).
+        self.num_heads = layout.heads.q.size
+        self.num_kv_heads = layout.heads.kv.size
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         self.backend = backend
@@ -46,9 +69,10 @@ class Attention(nn.Module):
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         # q, k and v in one matmul (one pass over x, one call); the loader
         # fills the checkpoint's q_proj/k_proj/v_proj rows (STACKED_PARAMS).
+        # Column-parallel: only this rank's heads; o_proj is row-parallel.
         self.qkv_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = PackedLinear(h, q_size + 2 * kv_size, bias=bias)
-        self.o_proj = PackedLinear(q_size, h, bias=False)
+        self.qkv_proj = ColumnParallelLinear(h, q_size + 2 * kv_size, bias=bias)
+        self.o_proj = RowParallelLinear(q_size, h, False, group)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
@@ -67,10 +91,10 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: TPLayout, group: ParallelGroup) -> None:
         super().__init__()
-        self.self_attn = Attention(config, backend)
-        self.mlp = MLP(config)
+        self.self_attn = Attention(config, backend, layout, group)
+        self.mlp = MLP(config, layout.intermediate, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -80,10 +104,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: TPLayout, group: ParallelGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.embed_tokens = VocabParallelEmbedding(layout.vocab, config.hidden_size, group)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, backend, layout, group) for _ in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
 
@@ -97,15 +123,23 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend | None = None) -> None:
+    def __init__(
+        self, config: ModelConfig, backend: AttentionBackend | None = None, group: ParallelGroup | None = None
+    ) -> None:
+        """group: the tensor-parallel group this rank belongs to (None: one unsharded process)."""
         super().__init__()
         if backend is None:
             from pagemill.attention.torch_backend import TorchAttentionBackend
 
             backend = TorchAttentionBackend()
         self.config = config
-        self.model = LlamaModel(config, backend)
-        self.lm_head = PackedLinear(config.hidden_size, config.vocab_size, bias=False)
+        self.group = group or ParallelGroup.single()
+        self.layout = TPLayout.build(
+            config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size,
+            self.group.world_size, self.group.rank,
+        )  # fmt: skip
+        self.model = LlamaModel(config, backend, self.layout, self.group)
+        self.lm_head = ParallelLMHead(config.hidden_size, self.layout.vocab, config.vocab_size, self.group)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -120,20 +154,32 @@ class LlamaForCausalLM(nn.Module):
         """Builds the CPU-packed weight copies (see packed_linear); call after loading."""
         return pack_all(self)
 
-    def stacked_parts(self, name: str) -> tuple[str, int, int] | None:
-        """Checkpoint tensor name -> (our parameter, first row, row count), for fused projections."""
-        prefix, dot, leaf = name.rpartition(".")  # leaf: weight / bias
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads this rank holds in its pool."""
+        return self.layout.heads.kv.size
+
+    def checkpoint_target(self, name: str) -> WeightTarget:
+        """Where checkpoint tensor `name` goes on this rank, and which part of it this rank reads."""
+        prefix, _, leaf = name.rpartition(".")  # leaf: weight / bias
+        lay, d = self.layout, self.config.head_dim
+        q, kv, inter = lay.heads.q, lay.heads.kv, lay.intermediate
         for hf, (ours, part) in STACKED_PARAMS.items():
             if prefix.endswith("." + hf):
-                layer = prefix[: -len(hf)]
-                sizes = self._part_sizes(ours)
-                return f"{layer}{ours}.{leaf}", sum(sizes[:part]), sizes[part]
-        return None
-
-    def _part_sizes(self, fused: str) -> list[int]:
-        if fused == "self_attn.qkv_proj":
-            return self.model.layers[0].self_attn.qkv_sizes
-        return [self.config.intermediate_size] * 2
+                target = f"{prefix[: -len(hf)]}{ours}.{leaf}"
+                if ours == "self_attn.qkv_proj":  # rows: [q heads | k heads | v heads] of this rank
+                    heads = q if part == 0 else kv
+                    first = [0, q.size, q.size + kv.size][part] * d
+                    return WeightTarget(target, Range(first, heads.size * d), 0, Range(heads.start * d, heads.size * d))
+                return WeightTarget(target, Range(part * inter.size, inter.size), 0, inter)  # gate | up
+        if name.endswith("self_attn.o_proj.weight"):  # row-parallel: this rank's heads are input columns
+            return WeightTarget(name, None, 1, Range(q.start * d, q.size * d))
+        if name.endswith("mlp.down_proj.weight"):
+            return WeightTarget(name, None, 1, inter)
+        if name in ("model.embed_tokens.weight", "lm_head.weight"):
+            real = lay.vocab_real  # the padding rows past it stay unloaded (never read: see parallel/embedding.py)
+            return WeightTarget(name, Range(0, real.size), 0, real)
+        return WeightTarget(name, None, 0, None)  # replicated: norms, row-parallel biases
 
     def set_backend(self, backend: AttentionBackend) -> None:
         for layer in self.model.layers:

@@ -13,6 +13,8 @@ from safetensors import safe_open
 from pagemill.attention.backend import AttentionBackend
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from pagemill.parallel.group import ParallelGroup
+from pagemill.parallel.partition import Range
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +55,14 @@ def load_model(
     dtype: str | torch.dtype = "float32",
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
+    group: ParallelGroup | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """group: this rank's tensor-parallel group; the rank then reads only its slices."""
     config = ModelConfig.from_model_dir(model_dir)
     dtype, device = parse_dtype(dtype), torch.device(device)
     # Build on the meta device: no time spent on random init we would overwrite.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend).to(dtype)
+        model = LlamaForCausalLM(config, backend, group).to(dtype)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty created fresh parameters
     load_weights(model, safetensors_files(model_dir))
@@ -87,17 +91,17 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
                     continue
                 if tied and name == "lm_head.weight":
                     continue  # the embedding is the output projection
-                stacked = model.stacked_parts(name)
-                target = stacked[0] if stacked else name
-                param = params.get(target)
+                target = model.checkpoint_target(name)
+                param = params.get(target.param)
                 if param is None or name not in expected:
                     log.warning("ignoring checkpoint tensor %s (no such parameter)", name)
                     continue
-                dest = param.narrow(0, stacked[1], stacked[2]) if stacked else param
-                tensor = f.get_tensor(name)
+                dest = param.narrow(0, target.dest.start, target.dest.size) if target.dest else param
+                tensor = _read(f.get_slice(name), target.src_dim, target.src)
                 if tensor.shape != dest.shape:
                     raise ValueError(
                         f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
+                        + (f" (this rank's slice of {name})" if target.src else "")
                     )
                 dest.copy_(tensor)  # casts to the model dtype and device
                 loaded.add(name)
@@ -109,6 +113,15 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
             "lm_head.weight"
         ] else ""
         raise ValueError(f"checkpoint is missing {len(missing)} weights: {', '.join(missing[:8])}{hint}")
+
+
+def _read(sl, dim: int, part: Range | None) -> torch.Tensor:
+    """The part of a safetensors slice a rank needs, reading only those bytes from the file."""
+    if part is None:
+        return sl[:]
+    if dim == 0:
+        return sl[part.start : part.end]
+    return sl[:, part.start : part.end]
 
 
 def _checkpoint_names(model: LlamaForCausalLM, params: dict) -> set[str]:

@@ -49,12 +49,16 @@ class PackedLinear(nn.Linear):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ weight.T (+ bias), through the packed weight where it pays."""
         packed = self.packed
         if packed is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] > PACKED_MAX_ROWS:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.weight, bias)
         if torch.is_grad_enabled() and x.requires_grad:
-            return F.linear(x, self.weight, self.bias)  # the packed op has no backward
-        return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+            return F.linear(x, self.weight, bias)  # the packed op has no backward
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
 def pack_all(module: nn.Module) -> int:

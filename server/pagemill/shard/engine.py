@@ -22,7 +22,7 @@ import logging
 import math
 import os
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -34,6 +34,7 @@ from pagemill.config import ShardConfig
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.loader import dtype_name, load_model, parse_dtype
+from pagemill.parallel.group import ParallelGroup
 from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMasker
 from pagemill.proto import pb
 from pagemill.sampling.sampler import Sampler
@@ -66,8 +67,6 @@ class ModelRunner:
         kv_cache_memory: int = 1 << 30,
         gpu_memory_utilization: float = 0.9,
         model_id: str = "",
-        rank: int = 0,
-        world_size: int = 1,
         model_dir: str | None = None,
         speculate: int = 0,
         draft: DraftProposer | None = None,
@@ -78,8 +77,11 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache_memory = kv_cache_memory
         self.gpu_memory_utilization = gpu_memory_utilization
-        self.model_id, self.rank, self.world_size = model_id, rank, world_size
-        self.sampler = Sampler(self.device)
+        # Tensor parallelism: the model's group; ranks compute the same steps in lockstep.
+        self.group = model.group
+        self.model_id, self.rank, self.world_size = model_id, self.group.rank, self.group.world_size
+        # All ranks draw unseeded requests from one shared seed, so they sample alike.
+        self.sampler = Sampler(self.device, seed=self.group.shared_seed())
         self.eos_ids = frozenset(config.eos_token_ids)
         self.pool: KVPool | None = None
         self.broken: str | None = None  # set when a forward failed unexpectedly
@@ -95,25 +97,28 @@ class ModelRunner:
         self.masker = GrammarMasker(config.vocab_size, self.device)
 
     @classmethod
-    def from_shard_config(cls, cfg: ShardConfig) -> "ModelRunner":
-        backend = select_backend(cfg.attention, cfg.device)
-        model, config = load_model(cfg.model_dir, parse_dtype(cfg.dtype), cfg.device, backend)
+    def from_shard_config(cls, cfg: ShardConfig, group: ParallelGroup | None = None) -> "ModelRunner":
+        """group: the tensor-parallel group of cfg.rank (None: a single unsharded shard)."""
+        group = group or ParallelGroup.single(cfg.device)
+        device = group.device  # with several CUDA ranks: this rank's GPU
+        backend = select_backend(cfg.attention, device)
+        model, config = load_model(cfg.model_dir, parse_dtype(cfg.dtype), device, backend, group)
         draft = None
         if cfg.speculate > 0 and cfg.speculate_method == "draft":
             if not cfg.draft_model:
                 raise ValueError("--speculate-method draft needs --draft-model DIR")
-            d_model, d_config = load_model(cfg.draft_model, parse_dtype(cfg.dtype), cfg.device, backend)
-            draft = DraftProposer(d_model, d_config, cfg.device, cfg.block_size)
+            # The draft is small: every rank runs all of it (replicated, no
+            # communication), fed the same inputs and sampler, so proposals agree.
+            d_model, d_config = load_model(cfg.draft_model, parse_dtype(cfg.dtype), device, backend)
+            draft = DraftProposer(d_model, d_config, device, cfg.block_size)
         return cls(
             model,
             config,
-            device=cfg.device,
+            device=device,
             block_size=cfg.block_size,
             kv_cache_memory=cfg.kv_cache_memory,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             model_id=os.path.basename(os.path.normpath(cfg.model_dir)),
-            rank=cfg.rank,
-            world_size=cfg.world_size,
             model_dir=cfg.model_dir,
             speculate=cfg.speculate,
             draft=draft,
@@ -145,6 +150,10 @@ class ModelRunner:
     # --- warmup ----------------------------------------------------------------------
 
     def warmup(self, req) -> "pb.WarmupResponse":
+        with self._on_device():
+            return self._warmup(req)
+
+    def _warmup(self, req) -> "pb.WarmupResponse":
         if req.max_batch_prefill_tokens == 0 or req.max_input_tokens == 0:
             raise ShardError(
                 grpc.StatusCode.INVALID_ARGUMENT, "max_batch_prefill_tokens and max_input_tokens must be > 0"
@@ -289,12 +298,19 @@ class ModelRunner:
             raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "Warmup must be called before Prefill/Decode")
         return self.pool
 
+    def _on_device(self):
+        """Makes this shard's GPU current for the calling thread. The service runs model
+        calls in worker threads, whose current device is cuda:0 whatever the main thread
+        set; kernels launched on the current device's stream (Triton) and NCCL need the
+        rank's own GPU (cuda:1.. under tensor parallelism)."""
+        return torch.cuda.device(self.device) if self.device.type == "cuda" else nullcontext()
+
     @contextmanager
     def _guard(self):
         # A failure inside the forward is a bug or a device fault, not bad
         # input (that was rejected earlier): report it and fail Health.
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), self._on_device():
                 yield
         except Exception as e:
             self.broken = f"{type(e).__name__}: {e}"

@@ -33,8 +33,12 @@ class KVPool:
         return self.num_blocks * self.block_size
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+    def bytes_per_block(
+        config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
+    ) -> int:
+        """num_kv_heads: the heads this pool stores (a tensor-parallel rank's share; default all)."""
+        kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
+        per_token = 2 * config.num_hidden_layers * kv_heads * config.head_dim
         return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
     @classmethod
@@ -59,14 +63,15 @@ class KVPool:
 
     @classmethod
     def with_blocks(
-        cls, config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str
+        cls, config: ModelConfig, *, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+        num_kv_heads: int | None = None,
     ) -> "KVPool":
         shape = (
             config.num_hidden_layers,
             2,
             num_blocks,
             block_size,
-            config.num_key_value_heads,
+            config.num_key_value_heads if num_kv_heads is None else num_kv_heads,
             config.head_dim,
         )
         # Zeros, not empty: decode multiplies masked (never written) slots by 0,

@@ -12,6 +12,7 @@ import grpc
 import torch
 
 from pagemill.config import ShardConfig
+from pagemill.parallel.group import ParallelConfig, ParallelGroup, rank_device
 from pagemill.shard.engine import ModelRunner
 from pagemill.shard.service import ShardService
 
@@ -27,14 +28,21 @@ def serve(config: ShardConfig) -> None:
     """Blocks until SIGTERM/SIGINT, then stops the server and removes the socket."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.world_size > 1:
-        raise NotImplementedError(
-            f"tensor parallelism is not implemented yet (world_size={config.world_size}); run one shard"
-        )
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
-    runner = ModelRunner.from_shard_config(config)
-    asyncio.run(serve_runner(runner, config.uds_path))
+    # Rendezvous first (cheap), then load: every rank loads only its slices.
+    group = ParallelGroup.init(
+        ParallelConfig(
+            rank=config.rank, world_size=config.world_size, master_addr=config.master_addr,
+            master_port=config.master_port, timeout_s=config.dist_timeout_s,
+        ),
+        rank_device(config.device, config.rank, config.world_size, config.local_rank),
+    )  # fmt: skip
+    try:
+        runner = ModelRunner.from_shard_config(config, group)
+        asyncio.run(serve_runner(runner, config.uds_path))
+    finally:
+        group.destroy()
 
 
 async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event | None = None) -> None:

@@ -33,18 +33,23 @@ class _WarmupRow:  # a SamplingRow for the dummy decode of warmup
 def allocate_pools(self: "ModelRunner", budget: int) -> None:
     """Target pool (and the draft's, with the same block count: one set of block ids
     addresses both) from a byte budget."""
-    per_block = KVPool.bytes_per_block(self.config, self.block_size, self.dtype)
+    per_block = KVPool.bytes_per_block(self.config, self.block_size, self.dtype, self.model.num_kv_heads)
     if self.draft is not None:
         per_block += KVPool.bytes_per_block(self.draft.config, self.block_size, self.draft.dtype)
-    num_blocks = max(budget, 0) // per_block
+    # Tensor-parallel ranks may hold different KV head counts (uneven splits) or
+    # memory: the router addresses every rank's pool with one set of block ids,
+    # so all take the smallest count. Before the check below, so that no rank
+    # raises while the others wait in the collective.
+    num_blocks = self.group.all_reduce_min(max(budget, 0) // per_block)
     if num_blocks < 2:
         raise ValueError(
             f"KV cache budget of {budget} bytes holds {num_blocks} blocks of {per_block} bytes; "
             "need at least 2 (block 0 is scratch)"
         )
     self.pool = KVPool.with_blocks(
-        self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=self.dtype, device=self.device
-    )
+        self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=self.dtype, device=self.device,
+        num_kv_heads=self.model.num_kv_heads,
+    )  # fmt: skip
     if self.draft is not None:
         self.draft.allocate(num_blocks)
 
@@ -52,8 +57,9 @@ def cuda_budget(self: "ModelRunner", req) -> int:
     # Peak activation memory is measured with one-block (scratch) pools,
     # then the real pools take what is left of the utilisation budget.
     self.pool = KVPool.with_blocks(
-        self.config, num_blocks=1, block_size=self.block_size, dtype=self.dtype, device=self.device
-    )
+        self.config, num_blocks=1, block_size=self.block_size, dtype=self.dtype, device=self.device,
+        num_kv_heads=self.model.num_kv_heads,
+    )  # fmt: skip
     if self.draft is not None:
         self.draft.allocate(1)
     torch.cuda.empty_cache()
