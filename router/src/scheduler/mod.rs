@@ -184,7 +184,7 @@ impl Scheduler {
             tokens: self.running.values().map(|s| s.tokens.len() as u64).sum(),
             available_blocks: self.kv.available(),
         };
-        let n = admit(&self.config.budget, running, &candidates);
+        let n = admit(&self.growth_budget(), running, &candidates);
         let take = if n == 0 { 0 } else { units[n - 1].end };
         let bs = self.kv.block_size();
         let mut admitted: Vec<Admitted> = Vec::with_capacity(take);
@@ -225,6 +225,19 @@ impl Scheduler {
             admitted.push(Admitted { seq, cache_len });
         }
         admitted
+    }
+
+    /// The budget with room for the running batch to grow: on top of the
+    /// watermark, one block per running sequence, which is what the batch
+    /// takes over the next `block_size` decode steps. Without it admission
+    /// packs the pool to the brim and a newcomer is preempted (and its prompt
+    /// recomputed) within a few steps, over and over.
+    fn growth_budget(&self) -> Budget {
+        let per_step = 1 + self.config.speculate;
+        let growth = self.running.len() as u32 * per_step;
+        let mut budget = self.config.budget;
+        budget.watermark_blocks = budget.watermark_blocks.saturating_add(growth);
+        budget
     }
 
     fn sort_queue_by_cached_prefix(&mut self) {
