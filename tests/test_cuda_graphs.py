@@ -54,10 +54,11 @@ def model_dir(tmp_path_factory):
 class Setup:
     """A model, a pool and sequences prefilled into shuffled blocks (eagerly, the normal path)."""
 
-    def __init__(self, model_dir, device="cpu", backend="torch", dtype=torch.float32, seed=0):
+    def __init__(self, model_dir, device="cpu", backend="torch", dtype=torch.float32, seed=0, kv_dtype=None):
         self.device = torch.device(device)
         self.model, self.config = load_model(model_dir, dtype, device, select_backend(backend, device))
-        self.pool = KVPool.with_blocks(self.config, num_blocks=120, block_size=BLOCK, dtype=dtype, device=device)
+        self.pool = KVPool.with_blocks(self.config, num_blocks=120, block_size=BLOCK, dtype=kv_dtype or dtype,
+                                       device=device)  # fmt: skip
         self.free = list(range(1, 120))
         random.Random(seed).shuffle(self.free)
         self.rng = random.Random(seed)
@@ -91,9 +92,9 @@ class Setup:
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
         return self.model.compute_logits(hidden)
 
-    def graphs(self, max_batch_size=16) -> DecodeGraphs:
+    def graphs(self, max_batch_size=16, max_total_tokens=MAX_TOTAL) -> DecodeGraphs:
         return DecodeGraphs(self.model, self.pool.kv_caches, max_batch_size=max_batch_size,
-                            max_total_tokens=MAX_TOTAL, block_size=BLOCK, vocab_size=self.config.vocab_size,
+                            max_total_tokens=max_total_tokens, block_size=BLOCK, vocab_size=self.config.vocab_size,
                             device=self.device)  # fmt: skip
 
 

@@ -139,3 +139,27 @@ def test_prefill_fp8_matches_torch(dtype):
     out = paged_prefill(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
                         meta.max_seqlen_q, scale)  # fmt: skip
     assert _rel(out, ref) < 1e-3
+
+
+@kernel_test
+@pytest.mark.parametrize("kv", [pytest.param(torch.float32, id="fp32"), *FP8])
+def test_static_decode_inputs_on_triton(tmp_path, kv):
+    """The CUDA-graph path's static metadata on the triton backend (eagerly here): a grid sized for
+    the full table width, split-K forced (as on a 132-SM GPU), early exit at context_lens; logits
+    equal the normal triton decode's over the same pool."""
+    from conftest import build_model_dir
+    from test_cuda_graphs import Setup
+
+    _needs_e4m3(kv)
+    s = Setup(build_model_dir(str(tmp_path / "m"), "llama_gqa"), device=DEVICE, backend="triton", kv_dtype=kv)
+    s.model.backend.num_sms = 132
+    for length in (3, 17, 30, 9, 1):
+        s.add(length)
+    graphs = s.graphs(max_total_tokens=1024)  # static width 1024 tokens: 4 partitions of 256
+    inputs = s.decode_inputs(s.seqs)
+    before = s.pool.storage.clone()
+    ref = s.eager_logits(inputs)
+    s.pool.storage.copy_(before)
+    with torch.inference_mode():
+        got = graphs.logits_for(inputs)
+    assert _rel(got, ref) < 1e-5
