@@ -204,3 +204,20 @@ def test_default_scale_is_one():
     assert kv_dtype.KV_SCALE == 1.0
     x = torch.randn(8)
     assert torch.equal(kv_dtype.dequantize(quantize(x, E4M3), torch.float32), x.to(E4M3).float())
+
+
+def test_shard_config_reaches_the_pool(tiny_dir):
+    """--kv-cache-dtype through ShardConfig (what `pagemill shard` builds) to the pool and Info."""
+    from pagemill.config import ShardConfig
+
+    def runner(kv):
+        cfg = ShardConfig(model_dir=tiny_dir, uds_path="unused", dtype="bfloat16", block_size=TINY_BLOCK,
+                          kv_cache_memory=1 << 20, kv_cache_dtype=kv)  # fmt: skip
+        r = ModelRunner.from_shard_config(cfg)
+        r.warmup(WARMUP)
+        return r
+
+    base, fp8 = runner("auto"), runner("fp8_e5m2")
+    assert (base.pool.storage.dtype, fp8.pool.storage.dtype) == (torch.bfloat16, E5M2)
+    assert fp8.pool.num_blocks == 2 * base.pool.num_blocks
+    assert (base.info().kv_cache_dtype, fp8.info().kv_cache_dtype) == ("bfloat16", "fp8_e5m2")
