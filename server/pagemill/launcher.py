@@ -156,7 +156,8 @@ class Launcher:
                     "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
                     "--kv-cache-memory", str(a.kv_cache_memory), "--attention", a.attention,
                     "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(threads),
-                    "--speculate", str(a.speculate), "--speculate-method", a.speculate_method]
+                    "--speculate", str(a.speculate), "--speculate-method", a.speculate_method,
+                    "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs", "--kv-cache-dtype", a.kv_cache_dtype]
             if a.draft_model:  # a .gguf draft is converted like the target
                 cache = Path(a.cache_dir) if a.cache_dir else None
                 argv += ["--draft-model", str(resolve_model(a.draft_model, cache_dir=cache))]

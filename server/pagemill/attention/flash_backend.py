@@ -10,7 +10,8 @@ fresh prompt still goes through flash_attn_varlen_func on the packed k/v,
 which hold all of its keys, while cached-prefix prefill and decode run on
 the Triton kernels; float32 runs entirely on Triton. Each such fallback is
 logged once. The KV write is always the Triton kernel: flash-attn has no
-scatter to arbitrary slots.
+scatter to arbitrary slots. flash-attn 2 has no fp8 cache either: with an
+fp8 pool (kv_dtype.py) only fresh prompts run on flash-attn.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import logging
 import torch
 
 from pagemill.attention.backend import AttentionBackend
+from pagemill.attention.kv_dtype import is_fp8, kv_dtype_name
 from pagemill.attention.metadata import AttentionMetadata
 
 log = logging.getLogger(__name__)
@@ -52,13 +54,21 @@ class FlashAttentionBackend:
         self._note(f"KV blocks of {k_cache.shape[1]} tokens (flash-attn pages by multiples of "
                    f"{PAGED_BLOCK_MULTIPLE}): {what}")  # fmt: skip
 
+    def _fp8_pool(self, k_cache: torch.Tensor, what: str) -> bool:
+        # flash-attn 2 reads fp16/bf16 caches only; fresh prompts still use it on their packed k/v.
+        if not is_fp8(k_cache.dtype):
+            return False
+        self._note(f"flash-attn 2 has no fp8 KV cache ({kv_dtype_name(k_cache.dtype)}): {what}")
+        return True
+
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self.fallback.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not self._flash_dtype(q):
             return self.fallback.prefill(q, k, v, k_cache, v_cache, meta, scale)
-        if k_cache.shape[1] % PAGED_BLOCK_MULTIPLE == 0:
+        paged = k_cache.shape[1] % PAGED_BLOCK_MULTIPLE == 0
+        if paged and not self._fp8_pool(k_cache, "prefills with a cached prefix"):
             return self.fa.flash_attn_varlen_func(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
                 softmax_scale=scale, causal=True, block_table=meta.block_tables,
@@ -68,11 +78,14 @@ class FlashAttentionBackend:
                 q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
                 softmax_scale=scale, causal=True,
             )  # fmt: skip
-        self._small_blocks(k_cache, "prefills with a cached prefix")
+        if not paged:  # (an fp8 pool with paged blocks was noted above)
+            self._small_blocks(k_cache, "prefills with a cached prefix")
         return self.fallback.prefill(q, k, v, k_cache, v_cache, meta, scale)
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         if not self._flash_dtype(q):
+            return self.fallback.decode(q, k_cache, v_cache, meta, scale)
+        if self._fp8_pool(k_cache, "decode steps"):
             return self.fallback.decode(q, k_cache, v_cache, meta, scale)
         if k_cache.shape[1] % PAGED_BLOCK_MULTIPLE == 0:
             out = self.fa.flash_attn_with_kvcache(

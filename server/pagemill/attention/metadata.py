@@ -31,6 +31,11 @@ class AttentionMetadata:
     # They are the same in every layer, so a backend builds them in the first
     # layer of a forward and reuses them in the others.
     derived: dict[str, Any] = field(default_factory=dict, repr=False)
+    # Static (CUDA-graph) decode: the tensors change between replays, the host
+    # fields do not. kv_lens / max_seqlen_k are then only upper bounds (the
+    # table width in tokens) and a backend must mask by context_lens on the
+    # device and size its grid from the host fields (shard/cuda_graphs.py).
+    static: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagemill.attention.kv_dtype import write_rows
 from pagemill.attention.metadata import AttentionMetadata
 
 
@@ -21,9 +22,10 @@ class TorchAttentionBackend:
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         # [num_blocks, block_size, kv_heads, head_dim] viewed as one row per slot.
+        # An fp8 cache gets a saturating cast; reads below widen with .to(q.dtype) (kv_dtype.py).
         kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+        write_rows(k_cache.view(-1, kv_heads, head_dim), slot_mapping, k)
+        write_rows(v_cache.view(-1, kv_heads, head_dim), slot_mapping, v)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
@@ -76,7 +78,7 @@ def _decode_indices(meta: AttentionMetadata, block_size: int):
         return cached
     batch, width = meta.block_tables.shape
     tables, length = meta.block_tables.long(), width * block_size
-    if batch == 1 or all(n == length for n in meta.kv_lens):
+    if not meta.static and (batch == 1 or all(n == length for n in meta.kv_lens)):
         # One sequence: keep exactly its keys; or every table is full. No mask
         # lets SDPA take its unmasked path.
         length, mask = max(meta.kv_lens), None

@@ -30,6 +30,7 @@ import grpc
 import torch
 
 from pagemill.attention.backend import select_backend
+from pagemill.attention.kv_dtype import check_kv_dtype, kv_dtype_name, parse_kv_cache_dtype
 from pagemill.config import ShardConfig
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
@@ -39,6 +40,7 @@ from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMaske
 from pagemill.proto import pb
 from pagemill.sampling.sampler import Sampler
 from pagemill.shard.batch import RequestState, ShardBatch
+from pagemill.shard.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagemill.shard.errors import ShardError
 from pagemill.shard.generations import Emitted, advance
 from pagemill.shard.kv_pool import KVPool
@@ -70,6 +72,8 @@ class ModelRunner:
         model_dir: str | None = None,
         speculate: int = 0,
         draft: DraftProposer | None = None,
+        cuda_graphs: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         self.model, self.config = model, config
         self.device = torch.device(device)
@@ -84,6 +88,11 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed=self.group.shared_seed())
         self.eos_ids = frozenset(config.eos_token_ids)
         self.pool: KVPool | None = None
+        self.kv_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)  # the pool's storage dtype
+        check_kv_dtype(self.kv_dtype, model.backend.name, self.device)
+        # Decode graphs only on CUDA and without speculation (verification is a varlen prefill).
+        self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and speculate == 0
+        self.cuda_graphs: DecodeGraphs | None = None  # captured at warmup
         self.broken: str | None = None  # set when a forward failed unexpectedly
         if speculate < 0:
             raise ValueError(f"speculate must be >= 0, got {speculate}")
@@ -122,6 +131,8 @@ class ModelRunner:
             model_dir=cfg.model_dir,
             speculate=cfg.speculate,
             draft=draft,
+            cuda_graphs=cfg.cuda_graphs,
+            kv_cache_dtype=cfg.kv_cache_dtype,
         )
 
     # --- static facts and liveness -------------------------------------------------
@@ -139,6 +150,7 @@ class ModelRunner:
             world_size=self.world_size,
             attention_backend=self.model.backend.name,
             speculate=self.speculate,
+            kv_cache_dtype=kv_dtype_name(self.kv_dtype),
         )
 
     def health(self) -> None:
@@ -159,6 +171,7 @@ class ModelRunner:
                 grpc.StatusCode.INVALID_ARGUMENT, "max_batch_prefill_tokens and max_input_tokens must be > 0"
             )
         self.pool = None  # a second warmup replaces the pool (the service drops cached batches)
+        self.cuda_graphs = None  # graphs bake in the old pool's address
         start = time.perf_counter_ns()
         try:
             budget = cuda_budget(self, req) if self.device.type == "cuda" else self.kv_cache_memory
@@ -178,7 +191,10 @@ class ModelRunner:
                 f"max_total_tokens={req.max_total_tokens} needs {needed} (scratch block included). "
                 "Give the KV cache more memory or lower max_total_tokens.",
             )
-        log.info("warmup: %d KV blocks of %d tokens, %.2fs", self.pool.num_blocks, self.block_size, elapsed / 1e9)
+        self.cuda_graphs = capture_decode_graphs(self, req)
+        elapsed = time.perf_counter_ns() - start
+        log.info("warmup: %d KV blocks of %d tokens (%s), %.2fs", self.pool.num_blocks, self.block_size,
+                 kv_dtype_name(self.kv_dtype), elapsed / 1e9)  # fmt: skip
         return pb.WarmupResponse(num_blocks=self.pool.num_blocks, block_size=self.block_size, warmup_ns=elapsed)
 
     # --- steps -----------------------------------------------------------------------
@@ -240,8 +256,11 @@ class ModelRunner:
     def _plain_decode(self, batch: ShardBatch, slots: list[int]) -> list[Emitted]:
         inputs = batch.decode_inputs(slots, self.device)
         masks = self._start_masks(batch.requests)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
-        out = self.sampler(self.model.compute_logits(hidden), batch.requests, self._wait(masks))
+        logits = self.cuda_graphs.logits_for(inputs) if self.cuda_graphs is not None else None
+        if logits is None:  # no graphs (CPU, --no-cuda-graphs) or wider than the largest graph
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
+            logits = self.model.compute_logits(hidden)
+        out = self.sampler(logits, batch.requests, self._wait(masks))
         return [Emitted([t], [lp], [(i, l)]) for t, lp, i, l in
                 zip(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]  # fmt: skip
 

@@ -33,7 +33,7 @@ class _WarmupRow:  # a SamplingRow for the dummy decode of warmup
 def allocate_pools(self: "ModelRunner", budget: int) -> None:
     """Target pool (and the draft's, with the same block count: one set of block ids
     addresses both) from a byte budget."""
-    per_block = KVPool.bytes_per_block(self.config, self.block_size, self.dtype, self.model.num_kv_heads)
+    per_block = KVPool.bytes_per_block(self.config, self.block_size, self.kv_dtype, self.model.num_kv_heads)
     if self.draft is not None:
         per_block += KVPool.bytes_per_block(self.draft.config, self.block_size, self.draft.dtype)
     # Tensor-parallel ranks may hold different KV head counts (uneven splits) or
@@ -47,7 +47,7 @@ def allocate_pools(self: "ModelRunner", budget: int) -> None:
             "need at least 2 (block 0 is scratch)"
         )
     self.pool = KVPool.with_blocks(
-        self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=self.dtype, device=self.device,
+        self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=self.kv_dtype, device=self.device,
         num_kv_heads=self.model.num_kv_heads,
     )  # fmt: skip
     if self.draft is not None:
@@ -57,7 +57,7 @@ def cuda_budget(self: "ModelRunner", req) -> int:
     # Peak activation memory is measured with one-block (scratch) pools,
     # then the real pools take what is left of the utilisation budget.
     self.pool = KVPool.with_blocks(
-        self.config, num_blocks=1, block_size=self.block_size, dtype=self.dtype, device=self.device,
+        self.config, num_blocks=1, block_size=self.block_size, dtype=self.kv_dtype, device=self.device,
         num_kv_heads=self.model.num_kv_heads,
     )  # fmt: skip
     if self.draft is not None:

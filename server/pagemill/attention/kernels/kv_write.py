@@ -7,6 +7,7 @@ import triton
 import triton.language as tl
 
 from pagemill.attention.kernels.common import check_cache
+from pagemill.attention.kv_dtype import is_fp8
 
 
 @triton.jit
@@ -15,6 +16,7 @@ def _write_kv_kernel(
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_slot, stride_ch,
     KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):  # fmt: skip
     # One program per token moves all of its kv heads for K and V: a few KiB,
     # a pure copy, so the only goal is one launch for both tensors.
@@ -25,8 +27,11 @@ def _write_kv_kernel(
     mask = (h < KV_HEADS) & (d < HEAD_DIM)
     dst = slot * stride_slot + h * stride_ch + d
     k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
+    if FP8_MAX > 0:  # an fp8 pool: saturate instead of overflowing to NaN/inf (attention/kv_dtype.py)
+        k = tl.clamp(k.to(tl.float32), -FP8_MAX, FP8_MAX)
+        v = tl.clamp(v.to(tl.float32), -FP8_MAX, FP8_MAX)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
@@ -46,4 +51,5 @@ def write_kv(
         k_cache.stride(1), k_cache.stride(2),
         KV_HEADS=kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=torch.finfo(k_cache.dtype).max if is_fp8(k_cache.dtype) else 0.0,
     )  # fmt: skip
