@@ -1,7 +1,7 @@
 //! Preemption by recompute: when a running sequence needs a block and the
 //! pool (free + evictable cached prefixes) has none, the newest sequence
-//! gives its blocks back. Its computed blocks stay in the radix cache, so on
-//! resume it usually recomputes only its last partial block.
+//! gives its blocks back. Its computed blocks go into the radix cache, so on
+//! resume it recomputes only those that others have taken meanwhile.
 
 use super::sequence::Sequence;
 use super::Scheduler;
