@@ -1,0 +1,174 @@
+"""Faults under load: a shard killed mid-batch, clients killed mid-stream,
+SIGTERM while requests run. Nothing hangs, nothing is silently lost."""
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+
+from reliability import check, request, wait_idle
+from server import launch, sse_events
+
+LONG = {"max_new_tokens": 1500, "ignore_eos_token": True}
+
+
+def shard_pids(server) -> list[int]:
+    kids = psutil.Process(server.proc.pid).children(recursive=True)
+    return [k.pid for k in kids if "shard" in k.cmdline()]
+
+
+def _stream(url: str, path: str, body: dict, started: threading.Event | None = None) -> list:
+    """Every `data:` payload of a stream (JSON, or the raw string like `[DONE]`)."""
+    out = []
+    with httpx.stream("POST", url + path, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                raw = line[5:].strip()
+                out.append(json.loads(raw) if raw.startswith("{") else raw)
+                if started is not None:
+                    started.set()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_shard_killed_mid_batch_fails_every_request_and_the_launcher(tiny_model_dir):
+    s = launch(str(tiny_model_dir), "--kv-cache-memory", "64MiB")
+    statuses: list[int | str] = []
+    stop_polling = threading.Event()
+
+    def poll_health():
+        while not stop_polling.is_set():
+            try:
+                statuses.append(httpx.get(f"{s.url}/health", timeout=5).status_code)
+            except httpx.HTTPError:
+                statuses.append("refused")
+            time.sleep(0.02)
+
+    tgi = {"inputs": "hello there", "parameters": LONG}
+    cmpl = {"prompt": "hello there", "max_tokens": 1500, "stream": True}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500}
+    with cf.ThreadPoolExecutor(8) as pool:
+        started = [threading.Event() for _ in range(3)]
+        streams = [pool.submit(_stream, s.url, "/generate_stream", tgi, started[0]),
+                   pool.submit(_stream, s.url, "/v1/completions", cmpl, started[1]),
+                   pool.submit(_stream, s.url, "/v1/chat/completions", dict(chat, stream=True), started[2])]
+        whole = [pool.submit(httpx.post, f"{s.url}/generate", json=tgi, timeout=120),
+                 pool.submit(httpx.post, f"{s.url}/v1/chat/completions", json=chat, timeout=120)]
+        for e in started:
+            assert e.wait(60), "a stream never started"
+        assert s.info()["batch_size"] == 5
+        poller = threading.Thread(target=poll_health, daemon=True)
+        poller.start()
+        os.kill(shard_pids(s)[0], signal.SIGKILL)
+        t0 = time.monotonic()
+        stream_results = [f.result(timeout=60) for f in streams]
+        whole_results = [f.result(timeout=60) for f in whole]
+        failed_in = time.monotonic() - t0
+    code = s.proc.wait(60)
+    stop_polling.set()
+    poller.join()
+
+    for events in stream_results:
+        last = events[-1]
+        assert isinstance(last, dict) and last.get("error_type") == "generation", last
+        assert "[DONE]" not in events
+    for r in whole_results:
+        assert r.status_code == 424, r.text
+        assert r.json()["error_type"] == "generation"
+    assert failed_in < 30, f"requests took {failed_in:.1f}s to fail"
+    assert 503 in statuses, f"/health never said 503 before the router went away: {statuses[-20:]}"
+    assert code != 0
+    logs = s.logs()
+    assert "shard 0 exited" in logs and "last lines:" in logs
+    # The shard's own last log lines are replayed under that header.
+    tail = logs[logs.index("last lines:"):]
+    assert "pagemill.shard" in tail, tail[:2000]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model_dir):
+    s = launch(str(tiny_model_dir), "--kv-cache-memory", "64MiB")
+    yield s
+    s.stop()
+
+
+_CLIENT = r"""
+import sys, httpx
+body = {"inputs": "a client that dies", "parameters": {"max_new_tokens": 1500, "ignore_eos_token": True}}
+with httpx.stream("POST", sys.argv[1] + "/generate_stream", json=body, timeout=60) as r:
+    for i, line in enumerate(r.iter_lines()):
+        if line.startswith("data:") and i > 6:
+            print("streaming", flush=True)
+            sys.stdin.read()  # blocks until killed
+"""
+
+
+@pytest.mark.timeout(120)
+def test_clients_killed_mid_stream_free_their_blocks(tiny):
+    kids = [subprocess.Popen([sys.executable, "-c", _CLIENT, tiny.url], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True) for _ in range(4)]
+    try:
+        for k in kids:
+            assert k.stdout.readline().strip() == "streaming"
+        info = tiny.info()
+        assert info["batch_size"] == 4 and info["kv_blocks_used"] > 0, info
+    finally:
+        for k in kids:
+            k.kill()
+            k.wait()
+    # Closed sockets are seen between decode steps: all blocks come back.
+    info = wait_idle(tiny, timeout=10)
+    assert info["kv_blocks_free"] == info["kv_blocks_total"]
+    # ... and the server is as good as new.
+    path, body = request("generate_stream", 1, 5)
+    r = httpx.post(tiny.url + path, json=body, timeout=60)
+    check("generate_stream", 5, r.status_code, r.content)
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_drains_accepted_requests_and_refuses_new_ones(tiny_model_dir):
+    s = launch(str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--shutdown-timeout", "60")
+    n_tokens = 400
+    flavours = ["generate", "generate_stream", "completions_stream", "chat", "chat_stream", "completions"] * 2
+    with cf.ThreadPoolExecutor(len(flavours)) as pool, httpx.Client(timeout=120) as c:
+        def one(i, flavour):
+            path, body = request(flavour, i, n_tokens)
+            r = httpx.post(s.url + path, json=body, timeout=120)
+            return flavour, r.status_code, r.content
+
+        accepted = [pool.submit(one, i, f) for i, f in enumerate(flavours)]
+        deadline = time.monotonic() + 30
+        while s.info()["batch_size"] < len(flavours):
+            assert time.monotonic() < deadline, s.info()
+            time.sleep(0.05)
+        s.proc.send_signal(signal.SIGTERM)
+        # The launcher forwards the signal to the router, which keeps
+        # listening while it drains: new requests get a 503 JSON error.
+        refused = None
+        deadline = time.monotonic() + 10
+        while refused is None and time.monotonic() < deadline:
+            r = c.post(f"{s.url}/generate", json={"inputs": "late", "parameters": {"max_new_tokens": 2}})
+            if r.status_code == 503:
+                refused = r
+            else:
+                assert r.status_code == 200, r.text
+        assert refused is not None, "no request was refused during the drain"
+        assert refused.json()["error_type"] == "shutting_down"
+        assert c.get(f"{s.url}/health").status_code == 503
+        r = c.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "late"}]})
+        assert r.status_code == 503 and r.json()["error_type"] == "shutting_down"
+        assert not any(f.done() for f in accepted), "the load finished before the drain was tested"
+        results = [f.result(timeout=90) for f in accepted]
+    for flavour, status, body in results:
+        check(flavour, n_tokens, status, body)
+    assert s.proc.wait(60) == 0
+    assert "drained: every accepted request was answered" in s.logs()
