@@ -77,3 +77,58 @@ pub enum InferStreamResponse {
         started_at: Instant,
     },
 }
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::proto::pb;
+
+    fn entry(deadline: Option<Instant>) -> (Entry, ResponseRx) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let request = ValidRequest {
+            inputs: "x".into(),
+            input_ids: vec![1],
+            parameters: pb::NextTokenChooserParameters::default(),
+            max_new_tokens: 1,
+            ignore_eos: false,
+            stop_sequences: vec![],
+            top_n_tokens: 0,
+            decoder_input_details: false,
+            seed: None,
+            grammar: None,
+        };
+        let e = Entry { id: 0, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: deadline, group: None };
+        (e, rx)
+    }
+
+    #[test]
+    fn an_overdue_entry_leaves_with_a_queue_timeout() {
+        let now = Instant::now();
+        let (e, mut rx) = entry(Some(now));
+        assert!(!e.still_waiting(now + Duration::from_millis(1), false));
+        let err = rx.try_recv().unwrap().unwrap_err();
+        assert_eq!(err.error_type(), "queue_timeout");
+        assert_eq!(err.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
+    }
+
+    #[test]
+    fn entries_within_their_deadline_or_resumed_keep_waiting() {
+        let now = Instant::now();
+        let (e, mut rx) = entry(Some(now + Duration::from_secs(5)));
+        assert!(e.still_waiting(now, false));
+        let (resumed, _rx2) = entry(Some(now));
+        assert!(resumed.still_waiting(now + Duration::from_secs(1), true));
+        let (forever, _rx3) = entry(None);
+        assert!(forever.still_waiting(now + Duration::from_secs(3600), false));
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn a_cancelled_entry_leaves_silently() {
+        let (e, rx) = entry(None);
+        drop(rx);
+        assert!(!e.still_waiting(Instant::now(), false));
+    }
+}

@@ -26,7 +26,10 @@ use crate::queue::InferStreamResponse;
         (status = 200, description = "Generated text", body = GenerateResponse),
         (status = 422, description = "Invalid input", body = ErrorBody),
         (status = 424, description = "Generation failed", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
 pub async fn generate(State(app): State<AppState>, JsonBody(req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
     let (headers, body) = run_generate(&app, req).await?;
@@ -38,7 +41,10 @@ pub async fn generate(State(app): State<AppState>, JsonBody(req): JsonBody<Gener
     responses(
         (status = 200, description = "One `data:` event per token", body = StreamResponse, content_type = "text/event-stream"),
         (status = 422, description = "Invalid input", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
 pub async fn generate_stream(State(app): State<AppState>, JsonBody(req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
     run_generate_stream(&app, req).await
@@ -49,9 +55,13 @@ pub async fn generate_stream(State(app): State<AppState>, JsonBody(req): JsonBod
 /// `text-generation` and `huggingface_hub` clients read).
 #[utoipa::path(post, path = "/", tag = "TGI", request_body = CompatGenerateRequest,
     responses(
-        (status = 200, description = "`[GenerateResponse]`, or SSE events when `stream`", body = Vec<GenerateResponse>),
+        (status = 200, description = "`[GenerateResponse]`, or SSE events when `stream`", content(
+            (Vec<GenerateResponse> = "application/json"), (StreamResponse = "text/event-stream"))),
         (status = 422, description = "Invalid input", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
 pub async fn compat_generate(
     State(app): State<AppState>,
@@ -69,6 +79,8 @@ pub async fn compat_generate(
 #[utoipa::path(post, path = "/tokenize", tag = "TGI", request_body = GenerateRequest,
     responses(
         (status = 200, description = "Tokens", body = Vec<SimpleToken>),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
         (status = 422, description = "Invalid input", body = ErrorBody),
     ))]
 pub async fn tokenize(State(app): State<AppState>, JsonBody(req): JsonBody<GenerateRequest>) -> Result<Json<Vec<SimpleToken>>, RouterError> {
