@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::RouterError;
 use crate::http::types::{GenerateParameters, PrefillToken, Token};
@@ -22,6 +22,9 @@ pub struct Infer {
     max_concurrent_requests: u32,
     /// `--max-queue-wait-ms`: how long a request may wait for admission.
     max_queue_wait: Option<Duration>,
+    /// Turns true when the shutdown timeout passes with requests still
+    /// running: their streams end with a `shutting_down` error then.
+    cutoff: Arc<watch::Sender<bool>>,
     next_id: Arc<AtomicU64>,
     state: Arc<RouterState>,
 }
@@ -74,6 +77,7 @@ pub struct StreamHandle {
     pub start: Instant,
     pub queued_at: Instant,
     last_token: Option<Instant>,
+    cutoff: watch::Receiver<bool>,
     state: Arc<RouterState>,
 }
 
@@ -81,7 +85,16 @@ impl StreamHandle {
     /// The next message of the stream, with TTFT / inter-token / end-to-end
     /// latency recorded as the client will see it.
     pub async fn next(&mut self) -> Option<Result<InferStreamResponse, RouterError>> {
-        let msg = self.rx.recv().await?;
+        let msg = tokio::select! {
+            biased;
+            msg = self.rx.recv() => msg?,
+            // A dropped sender (the router is gone) disables this branch.
+            Ok(_) = self.cutoff.wait_for(|cut| *cut) => {
+                return Some(Err(RouterError::ShuttingDown(
+                    "the shutdown timeout passed before this request finished".into(),
+                )))
+            }
+        };
         let now = Instant::now();
         let m = &self.state.metrics;
         if let Ok(InferStreamResponse::Token { .. } | InferStreamResponse::End { .. }) = &msg {
@@ -160,6 +173,7 @@ impl Infer {
             limit: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
             max_concurrent_requests,
             max_queue_wait,
+            cutoff: Arc::new(watch::channel(false).0),
             next_id: Arc::new(AtomicU64::new(0)),
             state,
         }
@@ -194,6 +208,12 @@ impl Infer {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         true
+    }
+
+    /// Ends every running request now with a `shutting_down` error (stream
+    /// event or status): past the shutdown timeout, nothing closes silently.
+    pub fn cut_off(&self) {
+        self.cutoff.send_replace(true);
     }
 
     pub async fn generate_stream(&self, input: GenerateInput) -> Result<StreamHandle, RouterError> {
@@ -265,6 +285,7 @@ impl Infer {
                 start,
                 queued_at,
                 last_token: None,
+                cutoff: self.cutoff.subscribe(),
                 state: self.state.clone(),
             });
         }

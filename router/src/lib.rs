@@ -195,6 +195,13 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         );
         if drain_infer.drain(timeout).await {
             tracing::info!("drained: every accepted request was answered");
+        } else {
+            tracing::warn!(
+                "shutdown timeout reached: ending {} request(s) with a shutting_down error",
+                drain_infer.in_flight()
+            );
+            drain_infer.cut_off();
+            drain_infer.drain(CUTOFF_GRACE).await;
         }
     });
     let server = tokio::spawn(async move { server.await });
@@ -202,7 +209,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
     // router exits with whatever is still open.
     let hard_stop = async {
         match deadline_rx.await {
-            Ok(deadline) => tokio::time::sleep_until(deadline + Duration::from_secs(1)).await,
+            Ok(deadline) => tokio::time::sleep_until(deadline + CUTOFF_GRACE * 2).await,
             Err(_) => std::future::pending().await,
         }
     };
@@ -213,6 +220,10 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
     scheduler_task.abort();
     Ok(())
 }
+
+/// After the shutdown timeout: time for the `shutting_down` error events to
+/// reach their clients before the router exits regardless.
+const CUTOFF_GRACE: Duration = Duration::from_secs(1);
 
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
