@@ -26,6 +26,7 @@ def hostile(tiny_model_dir):
     yield s
     valid.stop.set()
     valid.join(60)
+    print(f"\nhostile: {valid.ok} valid requests interleaved, {len(valid.failures)} failed")
     # Valid requests kept being served, correctly, through every hostile one.
     assert valid.ok >= 10 and not valid.failures, (valid.ok, valid.failures[:3])
     wait_idle(s)
