@@ -13,6 +13,7 @@ from reliability import wait_idle
 from server import launch
 
 LONG = {"inputs": "hold the batch", "parameters": {"max_new_tokens": 1500, "ignore_eos_token": True}}
+WAIT_MS = 1500
 SHORT = {"inputs": "wait for me", "parameters": {"max_new_tokens": 5, "ignore_eos_token": True}}
 
 
@@ -20,7 +21,7 @@ SHORT = {"inputs": "wait for me", "parameters": {"max_new_tokens": 5, "ignore_eo
 def one_slot(tiny_model_dir):
     # One sequence per batch: a second request must wait in the queue.
     s = launch(str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--max-batch-size", "1",
-               "--max-concurrent-requests", "3", "--max-queue-wait-ms", "500")
+               "--max-concurrent-requests", "3", "--max-queue-wait-ms", str(WAIT_MS))
     yield s
     s.stop()
 
@@ -49,8 +50,8 @@ def test_queue_wait_is_bounded_and_frees_the_queue(one_slot):
         waited = time.monotonic() - t0
         assert r.status_code == 429, r.text
         assert r.json()["error_type"] == "queue_timeout"
-        assert 0.5 <= waited < 5, waited
-        print(f"\nqueue timeout (--max-queue-wait-ms 500): 429 `queue_timeout` after {waited:.2f}s")
+        assert WAIT_MS / 1000 <= waited < WAIT_MS / 1000 + 5, waited
+        print(f"\nqueue timeout (--max-queue-wait-ms {WAIT_MS}): 429 `queue_timeout` after {waited:.2f}s")
         # A stream that times out in the queue ends with the same error event.
         with httpx.stream("POST", f"{one_slot.url}/generate_stream", json=SHORT, timeout=60) as s:
             events = [json.loads(x[5:]) for x in s.iter_lines() if x.startswith("data:")]
@@ -73,7 +74,10 @@ def test_past_max_concurrent_requests_is_429_at_once(one_slot):
         with cf.ThreadPoolExecutor(2) as pool:
             # Two more fill the 3 permits while they wait in the queue ...
             waiting = [pool.submit(httpx.post, f"{one_slot.url}/generate", json=SHORT, timeout=60) for _ in range(2)]
-            time.sleep(0.2)
+            deadline = time.monotonic() + WAIT_MS / 1000
+            while one_slot.info()["queue_size"] < 2:
+                assert time.monotonic() < deadline, "the two requests never queued"
+                time.sleep(0.02)
             # ... so the fourth is refused without waiting at all.
             t0 = time.monotonic()
             r = httpx.post(f"{one_slot.url}/generate", json=SHORT, timeout=60)
