@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from reliability import check, request, wait_idle
-from server import launch, sse_events
+from server import launch
 
 LONG = {"max_new_tokens": 1500, "ignore_eos_token": True}
 
