@@ -3,7 +3,9 @@ one request of each API flavour, checked complete and correct."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+import subprocess
 import time
 
 import httpx
@@ -11,6 +13,20 @@ import psutil
 
 # Every flavour the soak mixes; `check` raises AssertionError on a wrong answer.
 FLAVOURS = ("generate", "generate_stream", "completions", "completions_stream", "chat", "chat_stream")
+
+
+@contextlib.contextmanager
+def stopped_after(server):
+    """Stops `server` when the block ends, even when a test fails midway
+    (tests that stop it themselves leave nothing to do)."""
+    try:
+        yield server
+    finally:
+        if server.proc.poll() is None:
+            try:
+                server.stop(timeout=60)
+            except subprocess.TimeoutExpired:
+                server.proc.kill()
 
 
 def router_process(server) -> psutil.Process:

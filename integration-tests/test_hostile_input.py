@@ -10,7 +10,7 @@ import threading
 import httpx
 import pytest
 
-from reliability import check, request, wait_idle
+from reliability import check, request, stopped_after, wait_idle
 from server import launch
 
 MAX_INPUT, MAX_TOTAL, PAYLOAD = 64, 128, 512 * 1000
@@ -23,15 +23,15 @@ def hostile(tiny_model_dir):
                "--max-total-tokens", str(MAX_TOTAL), "--payload-limit", "512KB")
     valid = ValidTraffic(s.url)
     valid.start()
-    yield s
-    valid.stop.set()
-    valid.join(60)
-    print(f"\nhostile: {valid.ok} valid requests interleaved, {len(valid.failures)} failed")
-    # Valid requests kept being served, correctly, through every hostile one.
-    assert valid.ok >= 10 and not valid.failures, (valid.ok, valid.failures[:3])
-    wait_idle(s)
-    assert "panicked" not in s.logs()
-    s.stop()
+    with stopped_after(s):
+        yield s
+        valid.stop.set()
+        valid.join(60)
+        print(f"\nhostile: {valid.ok} valid requests interleaved, {len(valid.failures)} failed")
+        # Valid requests kept being served, correctly, through every hostile one.
+        assert valid.ok >= 10 and not valid.failures, (valid.ok, valid.failures[:3])
+        wait_idle(s)
+        assert "panicked" not in s.logs()
 
 
 class ValidTraffic(threading.Thread):
