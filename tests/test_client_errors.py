@@ -21,6 +21,10 @@ from pagemill_client.errors import from_body  # noqa: E402
     ("unhealthy", 503, pc.UnhealthyError),
     ("unauthorized", 401, pc.AuthenticationError),
     ("not_found", 404, pc.NotFoundError),
+    ("queue_timeout", 429, pc.OverloadedError),
+    ("shutting_down", 503, pc.UnhealthyError),
+    # In a stream the error event has no status: the type alone decides.
+    ("queue_timeout", None, pc.OverloadedError),
 ])
 def test_error_type_picks_the_class(error_type, status, cls):
     e = from_body({"error": "boom", "error_type": error_type}, status)

@@ -26,6 +26,9 @@ pub struct RouterConfig {
     pub validation_workers: usize,
     /// How long SIGTERM waits for in-flight requests before closing.
     pub shutdown_timeout_s: u64,
+    /// Longest wait in the queue before a request is answered with
+    /// `queue_timeout` (429); 0 waits forever.
+    pub max_queue_wait_ms: u64,
     pub prefix_caching: bool,
     /// Admit the queued request with the longest cached prefix first.
     pub cache_aware_admission: bool,
@@ -55,6 +58,7 @@ impl Default for RouterConfig {
             payload_limit: 2_000_000,
             validation_workers: 2,
             shutdown_timeout_s: 30,
+            max_queue_wait_ms: 120_000,
             prefix_caching: true,
             cache_aware_admission: false,
             api_key: None,

@@ -16,6 +16,13 @@ pub enum RouterError {
     /// Too many concurrent requests: 429.
     #[error("Model is overloaded: {0}")]
     Overloaded(String),
+    /// Waited longer than `--max-queue-wait-ms` for admission: 429, like
+    /// `Overloaded` (retry later), with its own type.
+    #[error("Model is overloaded: {0}")]
+    QueueTimeout(String),
+    /// The server received SIGTERM and drains in-flight requests: 503.
+    #[error("The server is shutting down: {0}")]
+    ShuttingDown(String),
     /// The shard failed while generating: 424.
     #[error("Request failed during generation: {0}")]
     Generation(String),
@@ -45,6 +52,8 @@ impl RouterError {
             RouterError::Validation(_) => "validation",
             RouterError::InvalidJson(_) => "invalid_json",
             RouterError::Overloaded(_) => "overloaded",
+            RouterError::QueueTimeout(_) => "queue_timeout",
+            RouterError::ShuttingDown(_) => "shutting_down",
             RouterError::Generation(_) => "generation",
             RouterError::Unhealthy(_) => "unhealthy",
             RouterError::NotFound(_) => "not_found",
@@ -58,7 +67,8 @@ impl RouterError {
             RouterError::Validation(_) | RouterError::InvalidJson(_) => {
                 StatusCode::UNPROCESSABLE_ENTITY
             }
-            RouterError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            RouterError::Overloaded(_) | RouterError::QueueTimeout(_) => StatusCode::TOO_MANY_REQUESTS,
+            RouterError::ShuttingDown(_) => StatusCode::SERVICE_UNAVAILABLE,
             RouterError::Generation(_) => StatusCode::FAILED_DEPENDENCY,
             RouterError::Unhealthy(_) => StatusCode::SERVICE_UNAVAILABLE,
             RouterError::NotFound(_) => StatusCode::NOT_FOUND,

@@ -4,9 +4,9 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::RouterError;
 use crate::http::types::{GenerateParameters, PrefillToken, Token};
@@ -20,6 +20,11 @@ pub struct Infer {
     queue_tx: mpsc::UnboundedSender<Entry>,
     limit: Arc<Semaphore>,
     max_concurrent_requests: u32,
+    /// `--max-queue-wait-ms`: how long a request may wait for admission.
+    max_queue_wait: Option<Duration>,
+    /// Turns true when the shutdown timeout passes with requests still
+    /// running: their streams end with a `shutting_down` error then.
+    cutoff: Arc<watch::Sender<bool>>,
     next_id: Arc<AtomicU64>,
     state: Arc<RouterState>,
 }
@@ -72,6 +77,7 @@ pub struct StreamHandle {
     pub start: Instant,
     pub queued_at: Instant,
     last_token: Option<Instant>,
+    cutoff: watch::Receiver<bool>,
     state: Arc<RouterState>,
 }
 
@@ -79,7 +85,16 @@ impl StreamHandle {
     /// The next message of the stream, with TTFT / inter-token / end-to-end
     /// latency recorded as the client will see it.
     pub async fn next(&mut self) -> Option<Result<InferStreamResponse, RouterError>> {
-        let msg = self.rx.recv().await?;
+        let msg = tokio::select! {
+            biased;
+            msg = self.rx.recv() => msg?,
+            // A dropped sender (the router is gone) disables this branch.
+            Ok(_) = self.cutoff.wait_for(|cut| *cut) => {
+                return Some(Err(RouterError::ShuttingDown(
+                    "the shutdown timeout passed before this request finished".into(),
+                )))
+            }
+        };
         let now = Instant::now();
         let m = &self.state.metrics;
         if let Ok(InferStreamResponse::Token { .. } | InferStreamResponse::End { .. }) = &msg {
@@ -149,6 +164,7 @@ impl Infer {
         validation: Validation,
         queue_tx: mpsc::UnboundedSender<Entry>,
         max_concurrent_requests: u32,
+        max_queue_wait: Option<Duration>,
         state: Arc<RouterState>,
     ) -> Self {
         Self {
@@ -156,6 +172,8 @@ impl Infer {
             queue_tx,
             limit: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
             max_concurrent_requests,
+            max_queue_wait,
+            cutoff: Arc::new(watch::channel(false).0),
             next_id: Arc::new(AtomicU64::new(0)),
             state,
         }
@@ -163,6 +181,39 @@ impl Infer {
 
     pub fn validation(&self) -> &Validation {
         &self.validation
+    }
+
+    /// Requests holding a concurrency permit: accepted and not yet answered
+    /// (a stream counts until its last event is produced).
+    pub fn in_flight(&self) -> usize {
+        self.max_concurrent_requests as usize - self.limit.available_permits()
+    }
+
+    fn refuse_if_draining(&self) -> Result<(), RouterError> {
+        if self.state.draining.load(Ordering::SeqCst) {
+            return Err(RouterError::ShuttingDown("not accepting new requests".into()));
+        }
+        Ok(())
+    }
+
+    /// Waits until every accepted request is answered, or `timeout` passes;
+    /// returns whether it drained. New requests are refused meanwhile
+    /// (`RouterState::draining`), so this only ever goes down.
+    pub async fn drain(&self, timeout: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while self.in_flight() > 0 {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        true
+    }
+
+    /// Ends every running request now with a `shutting_down` error (stream
+    /// event or status): past the shutdown timeout, nothing closes silently.
+    pub fn cut_off(&self) {
+        self.cutoff.send_replace(true);
     }
 
     pub async fn generate_stream(&self, input: GenerateInput) -> Result<StreamHandle, RouterError> {
@@ -180,10 +231,14 @@ impl Infer {
         name: &str,
     ) -> Result<Vec<StreamHandle>, RouterError> {
         let start = Instant::now();
+        self.refuse_if_draining()?;
         // Fail fast past the limit rather than queue without bound.
         let permit = self.limit.clone().try_acquire_owned().map_err(|_| {
             RouterError::Overloaded(format!("more than {} concurrent requests", self.max_concurrent_requests))
         })?;
+        // Checked again after taking the permit: `drain` waits for every
+        // permit taken before `draining` was set, and every later one sees it.
+        self.refuse_if_draining()?;
         let permit = Arc::new(permit);
         self.validation.check_fanout(name, n)?;
         let request = self
@@ -199,6 +254,7 @@ impl Infer {
         let first_id = self.next_id.fetch_add(n as u64, Ordering::Relaxed);
         let group = (n > 1).then_some(first_id);
         let queued_at = Instant::now();
+        let queue_deadline = self.max_queue_wait.map(|w| queued_at + w);
         let mut handles = Vec::with_capacity(n as usize);
         for i in 0..n {
             let mut request = request.clone();
@@ -216,6 +272,7 @@ impl Infer {
                 request: request.clone(),
                 response_tx: tx,
                 queued_at,
+                queue_deadline,
                 group,
             };
             self.queue_tx
@@ -228,6 +285,7 @@ impl Infer {
                 start,
                 queued_at,
                 last_token: None,
+                cutoff: self.cutoff.subscribe(),
                 state: self.state.clone(),
             });
         }

@@ -125,6 +125,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         Validation::new(tokenizer, limits),
         queue_tx,
         config.max_concurrent_requests,
+        (config.max_queue_wait_ms > 0).then(|| Duration::from_millis(config.max_queue_wait_ms)),
         state.clone(),
     );
     let chat_template = chat_template::ChatTemplate::load(&config.tokenizer_dir);
@@ -159,6 +160,8 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         version: env!("CARGO_PKG_VERSION").to_string(),
         router: "pagemill".to_string(),
     };
+    let drain_infer = infer.clone();
+    let drain_state = state.clone();
     let app = AppState {
         infer,
         info: Arc::new(info),
@@ -175,25 +178,52 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     tracing::info!("router listening on http://{addr}");
     let timeout = Duration::from_secs(config.shutdown_timeout_s);
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let (deadline_tx, deadline_rx) = tokio::sync::oneshot::channel::<tokio::time::Instant>();
+    // On a signal the listener stays open while accepted requests finish:
+    // new ones get a 503 `shutting_down` (not a refused connection) and
+    // `/health` turns 503 so balancers move away. Then axum stops accepting
+    // and closes idle connections.
     let server = axum::serve(listener, routes).with_graceful_shutdown(async move {
         shutdown_signal().await;
-        tracing::info!("shutting down: draining in-flight requests (up to {}s)", timeout.as_secs());
-        let _ = stop_tx.send(());
+        let deadline = tokio::time::Instant::now() + timeout;
+        let _ = deadline_tx.send(deadline);
+        drain_state.draining.store(true, Ordering::SeqCst);
+        tracing::info!(
+            "shutting down: draining {} in-flight request(s) (up to {}s)",
+            drain_infer.in_flight(),
+            timeout.as_secs()
+        );
+        if drain_infer.drain(timeout).await {
+            tracing::info!("drained: every accepted request was answered");
+        } else {
+            tracing::warn!(
+                "shutdown timeout reached: ending {} request(s) with a shutting_down error",
+                drain_infer.in_flight()
+            );
+            drain_infer.cut_off();
+            drain_infer.drain(CUTOFF_GRACE).await;
+        }
     });
     let server = tokio::spawn(async move { server.await });
-    // Once a signal arrives, in-flight requests get `timeout` to finish.
-    let drained = async {
-        let _ = stop_rx.await;
-        tokio::time::sleep(timeout).await;
+    // Past the deadline (plus a moment for the last responses to flush), the
+    // router exits with whatever is still open.
+    let hard_stop = async {
+        match deadline_rx.await {
+            Ok(deadline) => tokio::time::sleep_until(deadline + CUTOFF_GRACE * 2).await,
+            Err(_) => std::future::pending().await,
+        }
     };
     tokio::select! {
         r = server => r.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?,
-        _ = drained => tracing::warn!("shutdown timeout reached with requests still in flight"),
+        _ = hard_stop => tracing::warn!("shutdown timeout reached with requests still in flight"),
     }
     scheduler_task.abort();
     Ok(())
 }
+
+/// After the shutdown timeout: time for the `shutting_down` error events to
+/// reach their clients before the router exits regardless.
+const CUTOFF_GRACE: Duration = Duration::from_secs(1);
 
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();

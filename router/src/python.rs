@@ -15,7 +15,7 @@ use crate::config::RouterConfig;
     max_stop_sequences = 16, max_top_n_tokens = 5, default_max_new_tokens = 100,
     payload_limit = 2_000_000, shutdown_timeout_s = 30, log_level = "info".to_string(),
     prefix_caching = true, cache_aware_admission = false,
-    api_key = None, max_best_of = 4
+    api_key = None, max_best_of = 4, max_queue_wait_ms = 120_000
 ))]
 #[allow(clippy::too_many_arguments)]
 fn serve(
@@ -41,6 +41,7 @@ fn serve(
     cache_aware_admission: bool,
     api_key: Option<String>,
     max_best_of: u32,
+    max_queue_wait_ms: u64,
 ) -> PyResult<()> {
     let config = RouterConfig {
         hostname,
@@ -63,6 +64,7 @@ fn serve(
         cache_aware_admission,
         api_key,
         max_best_of,
+        max_queue_wait_ms,
         ..RouterConfig::default()
     };
     let _ = tracing_subscriber::fmt()

@@ -18,6 +18,9 @@ pub struct Entry {
     pub request: ValidRequest,
     pub response_tx: ResponseTx,
     pub queued_at: Instant,
+    /// Past this instant a request still waiting for admission is answered
+    /// with `queue_timeout` and dropped (`--max-queue-wait-ms`; None: wait forever).
+    pub queue_deadline: Option<Instant>,
     /// Entries of one `n`/`best_of` request share an id here: the scheduler
     /// admits them together and they share their prompt's KV blocks.
     pub group: Option<u64>,
@@ -27,6 +30,26 @@ impl Entry {
     /// The client went away (HTTP connection dropped its receiver).
     pub fn is_cancelled(&self) -> bool {
         self.response_tx.is_closed()
+    }
+
+    /// Whether a queued entry stays in the queue at `now`: not when its client
+    /// went away, nor when it waited past its deadline (then the client is
+    /// told why). `resumed` entries (preempted after streaming tokens) never
+    /// time out: their client already has part of the answer.
+    pub fn still_waiting(&self, now: Instant, resumed: bool) -> bool {
+        if self.is_cancelled() {
+            return false;
+        }
+        match self.queue_deadline {
+            Some(deadline) if !resumed && now >= deadline => {
+                let waited = now.saturating_duration_since(self.queued_at).as_millis();
+                let _ = self.response_tx.send(Err(RouterError::QueueTimeout(format!(
+                    "waited {waited} ms in the queue without being scheduled"
+                ))));
+                false
+            }
+            _ => true,
+        }
     }
 }
 
@@ -53,4 +76,59 @@ pub enum InferStreamResponse {
         queued_at: Instant,
         started_at: Instant,
     },
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::proto::pb;
+
+    fn entry(deadline: Option<Instant>) -> (Entry, ResponseRx) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        let request = ValidRequest {
+            inputs: "x".into(),
+            input_ids: vec![1],
+            parameters: pb::NextTokenChooserParameters::default(),
+            max_new_tokens: 1,
+            ignore_eos: false,
+            stop_sequences: vec![],
+            top_n_tokens: 0,
+            decoder_input_details: false,
+            seed: None,
+            grammar: None,
+        };
+        let e = Entry { id: 0, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: deadline, group: None };
+        (e, rx)
+    }
+
+    #[test]
+    fn an_overdue_entry_leaves_with_a_queue_timeout() {
+        let now = Instant::now();
+        let (e, mut rx) = entry(Some(now));
+        assert!(!e.still_waiting(now + Duration::from_millis(1), false));
+        let err = rx.try_recv().unwrap().unwrap_err();
+        assert_eq!(err.error_type(), "queue_timeout");
+        assert_eq!(err.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);
+    }
+
+    #[test]
+    fn entries_within_their_deadline_or_resumed_keep_waiting() {
+        let now = Instant::now();
+        let (e, mut rx) = entry(Some(now + Duration::from_secs(5)));
+        assert!(e.still_waiting(now, false));
+        let (resumed, _rx2) = entry(Some(now));
+        assert!(resumed.still_waiting(now + Duration::from_secs(1), true));
+        let (forever, _rx3) = entry(None);
+        assert!(forever.still_waiting(now + Duration::from_secs(3600), false));
+        assert!(rx.try_recv().is_err());
+    }
+
+    #[test]
+    fn a_cancelled_entry_leaves_silently() {
+        let (e, rx) = entry(None);
+        drop(rx);
+        assert!(!e.still_waiting(Instant::now(), false));
+    }
 }

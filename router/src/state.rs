@@ -5,6 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 #[derive(Debug, Default)]
 pub struct RouterState {
     pub healthy: AtomicBool,
+    /// Set on SIGTERM: generation routes answer 503 `shutting_down` and
+    /// `/health` 503 while accepted requests finish.
+    pub draining: AtomicBool,
     pub queue_size: AtomicU64,
     pub batch_size: AtomicU64,
     pub kv_blocks_total: AtomicU64,

@@ -61,7 +61,10 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
                    help="require `Authorization: Bearer <key>` on generation routes "
                         f"(default: ${API_KEY_ENV} if set)")
     p.add_argument("--payload-limit", type=parse_bytes, default="2MB")
-    p.add_argument("--shutdown-timeout", type=int, default=30, help="seconds to drain on SIGTERM")
+    p.add_argument("--shutdown-timeout", type=int, default=30,
+                   help="seconds SIGTERM waits for accepted requests to finish (new ones get 503)")
+    p.add_argument("--max-queue-wait-ms", type=int, default=120_000,
+                   help="a request still queued after this long gets 429 `queue_timeout` (0: wait forever)")
     p.add_argument("--log-level", default="info")
     p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
                    help="do not reuse KV blocks of shared prompt prefixes")
@@ -167,7 +170,7 @@ def router_kwargs(a: argparse.Namespace) -> dict:
         max_top_n_tokens=a.max_top_n_tokens, default_max_new_tokens=a.default_max_new_tokens,
         payload_limit=a.payload_limit, shutdown_timeout_s=a.shutdown_timeout, log_level=a.log_level,
         prefix_caching=a.prefix_caching, cache_aware_admission=a.cache_aware_admission,
-        max_best_of=a.max_best_of, api_key=api_key(a),
+        max_best_of=a.max_best_of, api_key=api_key(a), max_queue_wait_ms=a.max_queue_wait_ms,
     )
 
 

@@ -42,8 +42,10 @@ _BY_TYPE = {
     "invalid_json": ValidationError,
     "payload_too_large": ValidationError,
     "overloaded": OverloadedError,
+    "queue_timeout": OverloadedError,
     "generation": GenerationError,
     "unhealthy": UnhealthyError,
+    "shutting_down": UnhealthyError,
     "unauthorized": AuthenticationError,
     "not_found": NotFoundError,
 }

@@ -17,6 +17,9 @@ use crate::state::RouterState;
 #[utoipa::path(get, path = "/health", tag = "Ops",
     responses((status = 200, description = "Shards answer"), (status = 503, description = "Unhealthy", body = ErrorBody)))]
 pub async fn health(State(app): State<AppState>) -> Result<Json<serde_json::Value>, RouterError> {
+    if app.state.draining.load(Ordering::SeqCst) {
+        return Err(RouterError::ShuttingDown("draining in-flight requests".into()));
+    }
     let mut client = app.client.clone();
     // A shard busy with a long forward still answers Health from its event loop.
     match tokio::time::timeout(Duration::from_secs(10), client.health()).await {

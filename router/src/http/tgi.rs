@@ -26,7 +26,10 @@ use crate::queue::InferStreamResponse;
         (status = 200, description = "Generated text", body = GenerateResponse),
         (status = 422, description = "Invalid input", body = ErrorBody),
         (status = 424, description = "Generation failed", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
 pub async fn generate(State(app): State<AppState>, JsonBody(req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
     let (headers, body) = run_generate(&app, req).await?;
@@ -38,7 +41,10 @@ pub async fn generate(State(app): State<AppState>, JsonBody(req): JsonBody<Gener
     responses(
         (status = 200, description = "One `data:` event per token", body = StreamResponse, content_type = "text/event-stream"),
         (status = 422, description = "Invalid input", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
 pub async fn generate_stream(State(app): State<AppState>, JsonBody(req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
     run_generate_stream(&app, req).await
@@ -49,9 +55,13 @@ pub async fn generate_stream(State(app): State<AppState>, JsonBody(req): JsonBod
 /// `text-generation` and `huggingface_hub` clients read).
 #[utoipa::path(post, path = "/", tag = "TGI", request_body = CompatGenerateRequest,
     responses(
-        (status = 200, description = "`[GenerateResponse]`, or SSE events when `stream`", body = Vec<GenerateResponse>),
+        (status = 200, description = "`[GenerateResponse]`, or SSE events when `stream`", content(
+            (Vec<GenerateResponse> = "application/json"), (StreamResponse = "text/event-stream"))),
         (status = 422, description = "Invalid input", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
 pub async fn compat_generate(
     State(app): State<AppState>,
@@ -69,6 +79,8 @@ pub async fn compat_generate(
 #[utoipa::path(post, path = "/tokenize", tag = "TGI", request_body = GenerateRequest,
     responses(
         (status = 200, description = "Tokens", body = Vec<SimpleToken>),
+        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
         (status = 422, description = "Invalid input", body = ErrorBody),
     ))]
 pub async fn tokenize(State(app): State<AppState>, JsonBody(req): JsonBody<GenerateRequest>) -> Result<Json<Vec<SimpleToken>>, RouterError> {
@@ -144,9 +156,11 @@ async fn run_generate_stream(app: &AppState, req: GenerateRequest) -> Result<Res
 }
 
 struct StreamState {
-    handle: StreamHandle,
+    /// Dropped with the last event, not after it: the concurrency permit is
+    /// free by the time the client reads the end of the stream, so a client
+    /// that sends its next request right then is not refused with a 429.
+    handle: Option<StreamHandle>,
     index: u32,
-    done: bool,
     details: bool,
     prefix: Option<String>,
 }
@@ -154,23 +168,21 @@ struct StreamState {
 /// One SSE event per token; the last carries generated_text (and details); a
 /// failure ends the stream with an error event, never a silent close.
 fn sse_events(handle: StreamHandle, details: bool, prefix: Option<String>) -> impl Stream<Item = Result<Event, Infallible>> {
-    let st = StreamState { handle, index: 0, done: false, details, prefix };
+    let st = StreamState { handle: Some(handle), index: 0, details, prefix };
     stream::unfold(st, |mut st| async move {
-        if st.done {
-            return None;
-        }
+        let handle = st.handle.as_mut()?;
         loop {
-            let msg = match st.handle.next().await {
+            let msg = match handle.next().await {
                 Some(m) => m,
                 None => {
-                    st.done = true;
+                    st.handle = None;
                     let err = RouterError::Generation("the request ended without a final token".into());
                     return Some((Ok(json_event(&err.body())), st));
                 }
             };
             let event = match msg {
                 Err(err) => {
-                    st.done = true;
+                    st.handle = None;
                     json_event(&err.body())
                 }
                 Ok(InferStreamResponse::Prefill(_)) => continue,
@@ -180,7 +192,8 @@ fn sse_events(handle: StreamHandle, details: bool, prefix: Option<String>) -> im
                 }
                 Ok(InferStreamResponse::End { token, top_tokens, generated_text, .. }) => {
                     st.index += 1;
-                    st.done = true;
+                    let input_length = handle.request.input_ids.len() as u32;
+                    st.handle = None;
                     let text = match &st.prefix {
                         Some(p) => format!("{p}{}", generated_text.text),
                         None => generated_text.text.clone(),
@@ -194,7 +207,7 @@ fn sse_events(handle: StreamHandle, details: bool, prefix: Option<String>) -> im
                             finish_reason: generated_text.finish_reason,
                             generated_tokens: generated_text.generated_tokens,
                             seed: generated_text.seed,
-                            input_length: st.handle.request.input_ids.len() as u32,
+                            input_length,
                         }),
                     })
                 }

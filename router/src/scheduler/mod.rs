@@ -114,7 +114,10 @@ impl Scheduler {
             while let Ok(e) = self.rx.try_recv() {
                 self.enqueue(e);
             }
-            self.queue.retain(|s| !s.entry.is_cancelled());
+            // Cancelled and queue-timed-out entries leave before admission;
+            // they never held blocks.
+            let now = Instant::now();
+            self.queue.retain(|s| s.entry.still_waiting(now, s.preemptions > 0));
             if let Err(err) = self.step().await {
                 self.fail_all(err).await;
             }

@@ -77,11 +77,14 @@ pub fn render_prompt(app: &AppState, req: &ChatCompletionRequest) -> Result<Stri
 /// Chat completion (OpenAI API).
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "OpenAI", request_body = ChatCompletionRequest,
     responses(
-        (status = 200, description = "The completion, or `chat.completion.chunk` SSE events when `stream`", body = ChatCompletionResponse),
+        (status = 200, description = "The completion, or `chat.completion.chunk` SSE events when `stream`", content(
+            (ChatCompletionResponse = "application/json"), (ChatCompletionChunk = "text/event-stream"))),
         (status = 401, description = "Missing or wrong API key", body = ErrorBody),
         (status = 422, description = "Invalid input, or a chat template error", body = ErrorBody),
         (status = 424, description = "Generation failed", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
 pub async fn chat_completions(
     State(app): State<AppState>,

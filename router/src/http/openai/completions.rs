@@ -20,11 +20,14 @@ fn invalid(msg: impl Into<String>) -> RouterError {
 /// Text completion (OpenAI API).
 #[utoipa::path(post, path = "/v1/completions", tag = "OpenAI", request_body = CompletionRequest,
     responses(
-        (status = 200, description = "The completion, or `text_completion` SSE chunks when `stream`", body = CompletionResponse),
+        (status = 200, description = "The completion, or `text_completion` SSE chunks when `stream`", content(
+            (CompletionResponse = "application/json"), (CompletionResponse = "text/event-stream"))),
         (status = 401, description = "Missing or wrong API key", body = ErrorBody),
         (status = 422, description = "Invalid input", body = ErrorBody),
         (status = 424, description = "Generation failed", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = ErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
 pub async fn completions(
     State(app): State<AppState>,
@@ -33,6 +36,15 @@ pub async fn completions(
     let prompts = req.prompt.clone().into_vec();
     if prompts.is_empty() {
         return Err(invalid("`prompt` must not be empty"));
+    }
+    // Each prompt holds a concurrency permit: a list longer than the limit
+    // could never be served, and a 429 would have clients retry it forever.
+    let max_prompts = app.info.max_concurrent_requests as usize;
+    if prompts.len() > max_prompts {
+        return Err(invalid(format!(
+            "`prompt` lists at most {max_prompts} prompts (--max-concurrent-requests). Given: {}",
+            prompts.len()
+        )));
     }
     let max_top = app.infer.validation().limits().max_top_n_tokens;
     if let Some(k) = req.logprobs.filter(|&k| k > max_top) {
