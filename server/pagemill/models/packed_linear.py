@@ -10,6 +10,10 @@ compute-bound and as fast or faster there.
 
 The packed copy costs the weight's memory a second time; it is only made on
 CPU for float32 (oneDNN's bf16/f16 paths are not what the tests check).
+
+At 1..MATVEC_MAX_ROWS rows a compiled matrix-vector kernel
+(pagemill.cpu_kernels) beats both: it reads the plain weight at close to
+memory speed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,10 @@ PACKED_MAX_ROWS = 256
 # oneDNN picks its blocking from a batch-size hint; 16 gave the best
 # bandwidth at 1..16 rows and matched hint=64 at 64 rows.
 _PACK_HINT = 16
+# Rows up to which the compiled matvec kernel is used instead (measured on
+# the default model, 2 threads: 1 row 1.6x faster than oneDNN, 2 rows 1.2x,
+# 4 rows slower: from there oneDNN's blocking reuses each weight load better).
+MATVEC_MAX_ROWS = 2
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,20 +48,27 @@ class PackedLinear(nn.Linear):
     """Same parameters and state-dict names as nn.Linear; `pack()` after loading."""
 
     packed: torch.Tensor | None = None
+    matvec = None  # cpu_kernels.MatvecKernel, set by pack() where it builds
 
     def pack(self) -> None:
         """(Re)builds the packed copy from the current weight; no-op where unsupported."""
         w = self.weight
-        self.packed = None
+        self.packed = self.matvec = None
         if packing_available(w.device, w.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT)
+            if w.is_contiguous():
+                from pagemill.cpu_kernels import matvec_kernel
+
+                self.matvec = matvec_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         packed = self.packed
         if packed is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] > PACKED_MAX_ROWS:
             return F.linear(x, self.weight, self.bias)
         if torch.is_grad_enabled() and x.requires_grad:
-            return F.linear(x, self.weight, self.bias)  # the packed op has no backward
+            return F.linear(x, self.weight, self.bias)  # the packed ops have no backward
+        if self.matvec is not None and 0 < x.shape[0] <= MATVEC_MAX_ROWS:
+            return self.matvec(x.contiguous(), self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
 
 
