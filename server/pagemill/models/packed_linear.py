@@ -11,7 +11,7 @@ compute-bound and as fast or faster there.
 The packed copy costs the weight's memory a second time; it is only made on
 CPU for float32 (oneDNN's bf16/f16 paths are not what the tests check).
 
-At 1..MATVEC_MAX_ROWS rows a compiled matrix-vector kernel
+At MATVEC_MAX_ROWS (1) row a compiled matrix-vector kernel
 (pagemill.cpu_kernels) beats both: it reads the plain weight at close to
 memory speed.
 """
@@ -29,10 +29,11 @@ PACKED_MAX_ROWS = 256
 # oneDNN picks its blocking from a batch-size hint; 16 gave the best
 # bandwidth at 1..16 rows and matched hint=64 at 64 rows.
 _PACK_HINT = 16
-# Rows up to which the compiled matvec kernel is used instead (measured on
-# the default model, 2 threads: 1 row 1.6x faster than oneDNN, 2 rows 1.2x,
-# 4 rows slower: from there oneDNN's blocking reuses each weight load better).
-MATVEC_MAX_ROWS = 2
+# Rows up to which the compiled matvec kernel is used instead. Measured on
+# the default model, 2 threads, idle machine, interleaved A/B
+# (benchmarks/decode_ab.py): batch-1 decode step 42-44 -> 29-31 ms (1.4x);
+# batch 2 1.01x (no gain), so only single rows take it.
+MATVEC_MAX_ROWS = 1
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
