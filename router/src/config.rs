@@ -14,6 +14,9 @@ pub struct RouterConfig {
     pub max_input_tokens: u32,
     pub max_total_tokens: u32,
     pub max_batch_prefill_tokens: u32,
+    /// Chunked prefill: at most this many prompt tokens per step, long
+    /// prompts split across steps with decode steps in between; `None`: off.
+    pub prefill_chunk_tokens: Option<u32>,
     /// Upper bound on tokens (prompt + max_new_tokens) of all running
     /// sequences; `None` lets the KV pool size decide.
     pub max_batch_total_tokens: Option<u32>,
@@ -49,6 +52,7 @@ impl Default for RouterConfig {
             max_input_tokens: 1024,
             max_total_tokens: 2048,
             max_batch_prefill_tokens: 4096,
+            prefill_chunk_tokens: None,
             max_batch_total_tokens: None,
             max_batch_size: 256,
             max_concurrent_requests: 128,
@@ -83,6 +87,9 @@ impl RouterConfig {
                 "max_batch_prefill_tokens ({}) must be >= max_input_tokens ({})",
                 self.max_batch_prefill_tokens, self.max_input_tokens
             ));
+        }
+        if self.prefill_chunk_tokens == Some(0) {
+            return Err("prefill_chunk_tokens must be positive (leave it unset to disable chunked prefill)".into());
         }
         if self.max_best_of == 0 {
             return Err("max_best_of must be positive".into());

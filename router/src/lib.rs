@@ -96,6 +96,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         max_batch_size: config.max_batch_size,
         // As vLLM: keep ~1% of the pool free at admission for running sequences to grow into.
         watermark_blocks: (kv.capacity() / 100).max(1),
+        prefill_chunk_tokens: config.prefill_chunk_tokens,
     };
     let scheduler_config = SchedulerConfig {
         budget,

@@ -11,6 +11,7 @@ use crate::config::RouterConfig;
 #[pyo3(signature = (
     shard_uds_paths, tokenizer_dir, model_id = String::new(), hostname = "127.0.0.1".to_string(), port = 3000,
     max_input_tokens = 1024, max_total_tokens = 2048, max_batch_prefill_tokens = 4096,
+    prefill_chunk_tokens = None,
     max_batch_total_tokens = None, max_batch_size = 256, max_concurrent_requests = 128,
     max_stop_sequences = 16, max_top_n_tokens = 5, default_max_new_tokens = 100,
     payload_limit = 2_000_000, shutdown_timeout_s = 30, log_level = "info".to_string(),
@@ -28,6 +29,7 @@ fn serve(
     max_input_tokens: u32,
     max_total_tokens: u32,
     max_batch_prefill_tokens: u32,
+    prefill_chunk_tokens: Option<u32>,
     max_batch_total_tokens: Option<u32>,
     max_batch_size: u32,
     max_concurrent_requests: u32,
@@ -52,6 +54,7 @@ fn serve(
         max_input_tokens,
         max_total_tokens,
         max_batch_prefill_tokens,
+        prefill_chunk_tokens,
         max_batch_total_tokens,
         max_batch_size,
         max_concurrent_requests,

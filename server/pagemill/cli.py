@@ -37,6 +37,8 @@ def _add_shard_args(p: argparse.ArgumentParser) -> None:
                    help="ngram: prompt lookup, no second model; draft: a smaller model (--draft-model)")
     p.add_argument("--draft-model", default=None,
                    help="HF model dir of the draft model (same tokenizer as the target)")
+    p.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
+                   help="compiled float32 matvec for single-row decode linears on CPU (needs a C++ compiler)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps from CUDA graphs captured at warmup (CUDA only; not with --speculate)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
@@ -49,6 +51,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-tokens", type=int, default=1024)
     p.add_argument("--max-total-tokens", type=int, default=2048)
     p.add_argument("--max-batch-prefill-tokens", type=int, default=4096)
+    p.add_argument("--prefill-chunk-tokens", type=int, default=0,
+                   help="chunked prefill: at most N prompt tokens per step, long prompts split across steps "
+                        "with decode steps in between (0: off)")
     p.add_argument("--max-batch-total-tokens", type=int, default=None,
                    help="token budget of the running batch (default: what the KV pool holds)")
     p.add_argument("--max-batch-size", type=int, default=256)
@@ -157,7 +162,7 @@ def shard_config(a: argparse.Namespace, model_dir: str, uds_path: str, rank: int
         dtype=a.dtype, device=a.device, block_size=a.block_size, kv_cache_memory=a.kv_cache_memory,
         gpu_memory_utilization=a.gpu_memory_utilization, attention=a.attention, num_threads=a.num_threads,
         speculate=a.speculate, speculate_method=a.speculate_method, draft_model=a.draft_model,
-        cuda_graphs=a.cuda_graphs, kv_cache_dtype=a.kv_cache_dtype,
+        cuda_graphs=a.cuda_graphs, kv_cache_dtype=a.kv_cache_dtype, cpu_kernels=a.cpu_kernels,
     )
 
 
@@ -165,6 +170,7 @@ def router_kwargs(a: argparse.Namespace) -> dict:
     return dict(
         hostname=a.hostname, port=a.port, max_input_tokens=a.max_input_tokens,
         max_total_tokens=a.max_total_tokens, max_batch_prefill_tokens=a.max_batch_prefill_tokens,
+        prefill_chunk_tokens=a.prefill_chunk_tokens or None,
         max_batch_total_tokens=a.max_batch_total_tokens, max_batch_size=a.max_batch_size,
         max_concurrent_requests=a.max_concurrent_requests, max_stop_sequences=a.max_stop_sequences,
         max_top_n_tokens=a.max_top_n_tokens, default_max_new_tokens=a.default_max_new_tokens,

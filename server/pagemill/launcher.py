@@ -157,7 +157,8 @@ class Launcher:
                     "--kv-cache-memory", str(a.kv_cache_memory), "--attention", a.attention,
                     "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(threads),
                     "--speculate", str(a.speculate), "--speculate-method", a.speculate_method,
-                    "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs", "--kv-cache-dtype", a.kv_cache_dtype]
+                    "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs", "--kv-cache-dtype", a.kv_cache_dtype,
+                    "--cpu-kernels" if a.cpu_kernels else "--no-cpu-kernels"]
             if a.draft_model:  # a .gguf draft is converted like the target
                 cache = Path(a.cache_dir) if a.cache_dir else None
                 argv += ["--draft-model", str(resolve_model(a.draft_model, cache_dir=cache))]

@@ -4,6 +4,10 @@
 //! out mid-decode the scheduler preempts (see `preempt.rs`), which is what
 //! lets far more sequences run than up-front reservation of
 //! prompt + max_new_tokens would.
+//!
+//! With chunked prefill (`Budget::prefill_chunk_tokens`) a step's prefill is
+//! bounded by the chunk size instead, and the first candidate that does not
+//! fit whole may still start with the part that does (`admit_chunked`).
 
 #[derive(Debug, Clone, Copy)]
 pub struct Budget {
@@ -13,6 +17,9 @@ pub struct Budget {
     /// Blocks kept free after admission so running sequences can grow for a
     /// while before anyone is preempted.
     pub watermark_blocks: u32,
+    /// Prefill tokens per step when prompts may be split across steps
+    /// (chunked prefill); `None`: every prompt is prefilled in one step.
+    pub prefill_chunk_tokens: Option<u32>,
 }
 
 /// What the running batch holds now.
@@ -34,34 +41,97 @@ pub struct Candidate {
     pub tokens: u64,
     /// Fresh blocks it needs now.
     pub new_blocks: u32,
+    /// Whether its prefill may be split across steps (a single sequence
+    /// without prompt logprobs; forks share blocks their leader writes).
+    pub chunkable: bool,
+}
+
+/// What `admit_chunked` lets into this step's prefill.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Admission {
+    /// Leading candidates prefilled whole.
+    pub whole: usize,
+    /// The candidate after them starts with this many of its prefill tokens.
+    pub partial: Option<u32>,
 }
 
 /// How many leading candidates can be admitted now. First come, first
 /// served: the first that does not fit stops admission, so a long request is
 /// never starved by shorter ones behind it.
 pub fn admit(budget: &Budget, running: Running, candidates: &[Candidate]) -> usize {
-    let mut seqs = running.sequences;
-    let mut tokens = running.tokens;
-    let mut prefill = 0u32;
-    let mut blocks = 0u32;
+    let mut acc = Totals::from(running);
     let mut admitted = 0;
     for c in candidates {
-        let fits = seqs + c.sequences <= budget.max_batch_size
-            && prefill + c.prefill_tokens <= budget.max_batch_prefill_tokens
-            && tokens + c.tokens <= budget.max_batch_total_tokens
-            // An empty batch may dip into the watermark: it has no one to preempt for.
-            && blocks + c.new_blocks + if seqs == 0 { 0 } else { budget.watermark_blocks }
-                <= running.available_blocks;
-        if !fits {
+        if !(acc.fits_besides_prefill(budget, running, c)
+            && acc.prefill + c.prefill_tokens <= budget.max_batch_prefill_tokens)
+        {
             break;
         }
-        seqs += c.sequences;
-        tokens += c.tokens;
-        prefill += c.prefill_tokens;
-        blocks += c.new_blocks;
+        acc.add(c);
         admitted += 1;
     }
     admitted
+}
+
+/// Admission for one step of chunked prefill with `step_tokens` prefill
+/// tokens left: candidates that fit whole, then possibly the start of the
+/// next one (if it is chunkable and fits every other budget). A candidate
+/// that cannot be split and exceeds the chunk goes alone into a step of its
+/// own, within `max_batch_prefill_tokens`.
+pub fn admit_chunked(budget: &Budget, running: Running, candidates: &[Candidate], step_tokens: u32) -> Admission {
+    let per_step = Budget {
+        max_batch_prefill_tokens: step_tokens.min(budget.max_batch_prefill_tokens),
+        ..*budget
+    };
+    let whole = admit(&per_step, running, candidates);
+    let Some(next) = candidates.get(whole) else {
+        return Admission { whole, partial: None };
+    };
+    let mut acc = Totals::from(running);
+    candidates[..whole].iter().for_each(|c| acc.add(c));
+    if !acc.fits_besides_prefill(budget, running, next) {
+        return Admission { whole, partial: None };
+    }
+    let left = per_step.max_batch_prefill_tokens - acc.prefill;
+    if next.chunkable && left > 0 {
+        return Admission { whole, partial: Some(left) };
+    }
+    if whole == 0 && step_tokens == budget.prefill_chunk_tokens.unwrap_or(step_tokens)
+        && next.prefill_tokens <= budget.max_batch_prefill_tokens
+    {
+        // Unsplittable and larger than a chunk: a prefill step of its own.
+        return Admission { whole: 1, partial: None };
+    }
+    Admission { whole, partial: None }
+}
+
+/// Running totals during admission.
+struct Totals {
+    seqs: u32,
+    tokens: u64,
+    prefill: u32,
+    blocks: u32,
+}
+
+impl Totals {
+    fn from(running: Running) -> Self {
+        Self { seqs: running.sequences, tokens: running.tokens, prefill: 0, blocks: 0 }
+    }
+
+    fn add(&mut self, c: &Candidate) {
+        self.seqs += c.sequences;
+        self.tokens += c.tokens;
+        self.prefill += c.prefill_tokens;
+        self.blocks += c.new_blocks;
+    }
+
+    fn fits_besides_prefill(&self, budget: &Budget, running: Running, c: &Candidate) -> bool {
+        self.seqs + c.sequences <= budget.max_batch_size
+            && self.tokens + c.tokens <= budget.max_batch_total_tokens
+            // An empty batch may dip into the watermark: it has no one to preempt for.
+            && self.blocks + c.new_blocks + if self.seqs == 0 { 0 } else { budget.watermark_blocks }
+                <= running.available_blocks
+    }
 }
 
 #[cfg(test)]
@@ -75,6 +145,7 @@ mod tests {
             max_batch_total_tokens: 1000,
             max_batch_size: 8,
             watermark_blocks: 2,
+            prefill_chunk_tokens: None,
         }
     }
 
@@ -84,6 +155,7 @@ mod tests {
             prefill_tokens: prefill,
             tokens: prefill as u64,
             new_blocks: blocks,
+            chunkable: true,
         }
     }
 
@@ -122,7 +194,7 @@ mod tests {
 
     #[test]
     fn forks_are_admitted_whole() {
-        let fork = Candidate { sequences: 4, prefill_tokens: 40, tokens: 160, new_blocks: 6 };
+        let fork = Candidate { sequences: 4, prefill_tokens: 40, tokens: 160, new_blocks: 6, chunkable: false };
         let running = Running { sequences: 5, tokens: 0, available_blocks: 50 };
         assert_eq!(admit(&budget(), running, &[fork]), 0);
         assert_eq!(admit(&budget(), Running { sequences: 4, ..running }, &[fork]), 1);
@@ -138,7 +210,7 @@ mod tests {
         ) {
             let b = budget();
             let cands: Vec<_> = reqs.iter().map(|&(s, p, n)| Candidate {
-                sequences: s, prefill_tokens: p, tokens: (p * s) as u64, new_blocks: n }).collect();
+                sequences: s, prefill_tokens: p, tokens: (p * s) as u64, new_blocks: n, chunkable: s == 1 }).collect();
             let running = Running { sequences: seqs, tokens, available_blocks: avail };
             let n = admit(&b, running, &cands);
             let sum = |f: &dyn Fn(&Candidate) -> u64| cands[..n].iter().map(f).sum::<u64>();
@@ -157,6 +229,74 @@ mod tests {
                     || p + c.prefill_tokens as u64 > b.max_batch_prefill_tokens as u64
                     || tokens + t + c.tokens > b.max_batch_total_tokens
                     || k + c.new_blocks as u64 + ws > avail as u64);
+            }
+        }
+    }
+
+    fn chunked(chunk: u32) -> Budget {
+        Budget { prefill_chunk_tokens: Some(chunk), ..budget() }
+    }
+
+    #[test]
+    fn chunked_admission_starts_the_first_prompt_that_does_not_fit() {
+        let c = vec![cand(20, 1), cand(25, 2), cand(40, 3), cand(5, 1)];
+        let a = admit_chunked(&chunked(50), idle(50), &c, 50);
+        assert_eq!(a, Admission { whole: 2, partial: Some(5) });
+        // Exactly filling the chunk leaves nothing to start.
+        let a = admit_chunked(&chunked(45), idle(50), &c, 45);
+        assert_eq!(a, Admission { whole: 2, partial: None });
+    }
+
+    #[test]
+    fn chunked_admission_still_needs_every_block_and_seat() {
+        let c = vec![cand(80, 10)];
+        assert_eq!(admit_chunked(&chunked(50), idle(9), &c, 50), Admission { whole: 0, partial: None });
+        assert_eq!(admit_chunked(&chunked(50), idle(10), &c, 50), Admission { whole: 0, partial: Some(50) });
+        let full = Running { sequences: 8, tokens: 0, available_blocks: 50 };
+        assert_eq!(admit_chunked(&chunked(50), full, &c, 50), Admission { whole: 0, partial: None });
+    }
+
+    #[test]
+    fn unsplittable_prompt_larger_than_a_chunk_gets_a_step_alone() {
+        let fork = Candidate { sequences: 2, prefill_tokens: 90, tokens: 180, new_blocks: 4, chunkable: false };
+        assert_eq!(admit_chunked(&chunked(50), idle(50), &[fork], 50), Admission { whole: 1, partial: None });
+        // Not after a chunk of someone else in the same step, nor beyond max_batch_prefill_tokens.
+        assert_eq!(admit_chunked(&chunked(50), idle(50), &[fork], 20), Admission { whole: 0, partial: None });
+        let huge = Candidate { prefill_tokens: 101, ..fork };
+        assert_eq!(admit_chunked(&chunked(50), idle(50), &[huge], 50), Admission { whole: 0, partial: None });
+    }
+
+    proptest! {
+        // A chunked step never computes more than its chunk (except an
+        // unsplittable unit alone), splits only chunkable candidates, and
+        // keeps every other budget of the whole-prompt rule.
+        #[test]
+        fn chunked_step_respects_chunk_and_budgets(
+            reqs in prop::collection::vec((1u32..3, 1u32..120, 0u32..12), 0..30),
+            seqs in 0u32..8, tokens in 0u64..1000, avail in 0u32..60, chunk in 1u32..100, used in 0u32..100,
+        ) {
+            let b = chunked(chunk);
+            let step = chunk - used.min(chunk - 1);
+            let cands: Vec<_> = reqs.iter().map(|&(s, p, n)| Candidate {
+                sequences: s, prefill_tokens: p, tokens: (p * s) as u64, new_blocks: n, chunkable: s == 1 }).collect();
+            let running = Running { sequences: seqs, tokens, available_blocks: avail };
+            let a = admit_chunked(&b, running, &cands, step);
+            let taken = &cands[..a.whole + a.partial.is_some() as usize];
+            let whole_prefill: u32 = cands[..a.whole].iter().map(|c| c.prefill_tokens).sum();
+            let alone = a.whole == 1 && a.partial.is_none() && !cands[0].chunkable && step == chunk;
+            prop_assert!(whole_prefill + a.partial.unwrap_or(0) <= step || alone);
+            prop_assert!(whole_prefill <= b.max_batch_prefill_tokens);
+            if let Some(p) = a.partial {
+                let c = cands[a.whole];
+                prop_assert!(c.chunkable && p > 0 && p < c.prefill_tokens);
+            }
+            let s: u64 = taken.iter().map(|c| c.sequences as u64).sum();
+            let t: u64 = taken.iter().map(|c| c.tokens).sum();
+            let k: u64 = taken.iter().map(|c| c.new_blocks as u64).sum();
+            if !taken.is_empty() {
+                prop_assert!(seqs as u64 + s <= b.max_batch_size as u64);
+                prop_assert!(tokens + t <= b.max_batch_total_tokens);
+                prop_assert!(k <= avail as u64);
             }
         }
     }

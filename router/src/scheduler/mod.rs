@@ -1,9 +1,11 @@
 //! Continuous batching: one task owns the queue, the running sequences, the
 //! KV cache and the shard client. Between decode steps it admits queued
 //! requests (one prefill), then advances everything running by one token,
-//! preempting the newest sequences when the pool runs out.
+//! preempting the newest sequences when the pool runs out. With chunked
+//! prefill a long prompt is spread over several steps (`chunked.rs`).
 
 pub mod admission;
+mod chunked;
 mod preempt;
 mod sequence;
 
@@ -21,7 +23,8 @@ use crate::kv::KvManager;
 use crate::proto::pb;
 use crate::queue::Entry;
 use crate::state::RouterState;
-use admission::{admit, Budget, Candidate, Running};
+use admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
+use chunked::{intermediate_chunk, Partial};
 use sequence::{Outcome, Sequence, TextContext};
 
 /// Order in which queued requests are considered for admission.
@@ -50,6 +53,9 @@ pub struct Scheduler {
     rx: mpsc::UnboundedReceiver<Entry>,
     queue: VecDeque<Sequence>,
     running: HashMap<u64, Sequence>,
+    /// The prompt being prefilled in chunks, if any (at most one: it is always
+    /// the last admitted of a step, and continues first in the next).
+    partial: Option<Partial>,
     /// Shard-side batches in the order the shard concatenates them.
     batches: Vec<pb::CachedBatch>,
     next_batch_id: u64,
@@ -61,6 +67,10 @@ pub struct Scheduler {
 struct Admitted {
     seq: Sequence,
     cache_len: u32,
+    /// Tokens with KV after this step: the whole sequence, or the end of a chunk.
+    end: u32,
+    /// Tokens of cache_len that came from the prefix cache (metrics).
+    hit: u32,
 }
 
 impl Scheduler {
@@ -87,6 +97,7 @@ impl Scheduler {
             rx,
             queue: VecDeque::new(),
             running: HashMap::new(),
+            partial: None,
             batches: Vec::new(),
             next_batch_id: 0,
             admissions: 0,
@@ -105,7 +116,7 @@ impl Scheduler {
 
     pub async fn run(mut self) {
         loop {
-            if self.running.is_empty() && self.queue.is_empty() {
+            if self.running.is_empty() && self.queue.is_empty() && self.partial.is_none() {
                 match self.rx.recv().await {
                     Some(e) => self.enqueue(e),
                     None => break,
@@ -163,6 +174,11 @@ impl Scheduler {
         let forks = unit.len() as u32 - 1;
         let shared = fork_shared_blocks(len, bs);
         Candidate {
+            // Prompt logprobs are reported by one prefill; forks share
+            // blocks their leader writes in the same step.
+            chunkable: self.config.budget.prefill_chunk_tokens.is_some()
+                && forks == 0
+                && !leader.entry.request.decoder_input_details,
             sequences: unit.len() as u32,
             prefill_tokens: (len - cached * bs) + forks * (len - shared * bs),
             tokens: len as u64 * unit.len() as u64,
@@ -172,25 +188,44 @@ impl Scheduler {
         }
     }
 
-    /// Takes from the queue what fits, with blocks for each prompt.
+    /// Takes from the queue what fits, with blocks for each prompt; with
+    /// chunked prefill, the next chunk of a partial prompt comes first.
     fn next_prefill(&mut self) -> Vec<Admitted> {
+        let mut admitted: Vec<Admitted> = Vec::new();
+        let chunk = self.config.budget.prefill_chunk_tokens;
+        let mut step_tokens = chunk.unwrap_or(0);
+        let mut running = Running {
+            sequences: self.running.len() as u32,
+            tokens: self.running.values().map(|s| s.tokens.len() as u64).sum(),
+            available_blocks: self.kv.available(),
+        };
+        if let Some(Partial { seq, done }) = self.partial.take() {
+            let len = seq.tokens.len() as u32;
+            let end = (done + step_tokens).min(len);
+            step_tokens -= end - done;
+            running.sequences += 1;
+            running.tokens += len as u64;
+            admitted.push(Admitted { seq, cache_len: done, end, hit: 0 });
+            if end < len || step_tokens == 0 {
+                return admitted;
+            }
+        }
         if self.queue.is_empty() {
-            return Vec::new();
+            return admitted;
         }
         if self.config.order == AdmissionOrder::LongestPrefix {
             self.sort_queue_by_cached_prefix();
         }
         let units = self.units();
         let candidates: Vec<Candidate> = units.iter().map(|u| self.candidate(u)).collect();
-        let running = Running {
-            sequences: self.running.len() as u32,
-            tokens: self.running.values().map(|s| s.tokens.len() as u64).sum(),
-            available_blocks: self.kv.available(),
+        let budget = self.growth_budget();
+        let Admission { whole: n, partial } = match chunk {
+            Some(_) => admit_chunked(&budget, running, &candidates, step_tokens),
+            None => Admission { whole: admit(&budget, running, &candidates), partial: None },
         };
-        let n = admit(&self.growth_budget(), running, &candidates);
-        let take = if n == 0 { 0 } else { units[n - 1].end };
+        let take = if n == 0 { 0 } else { units[n - 1].end } + partial.is_some() as usize;
         let bs = self.kv.block_size();
-        let mut admitted: Vec<Admitted> = Vec::with_capacity(take);
+        admitted.reserve(take);
         let mut taken: VecDeque<Sequence> = self.queue.drain(..take).collect();
         while let Some(mut seq) = taken.pop_front() {
             let len = seq.tokens.len() as u32;
@@ -225,7 +260,13 @@ impl Scheduler {
             seq.blocks = Some(blocks);
             self.admissions += 1;
             seq.admitted_at = self.admissions;
-            admitted.push(Admitted { seq, cache_len });
+            // The chunked candidate is the last one taken; it starts with
+            // what is left of this step's budget.
+            let end = match partial {
+                Some(tokens) if taken.is_empty() => (cache_len + tokens).min(len),
+                _ => len,
+            };
+            admitted.push(Admitted { seq, cache_len, end, hit: cache_len });
         }
         admitted
     }
@@ -261,8 +302,18 @@ impl Scheduler {
         self.next_batch_id += 1;
         let mut requests = Vec::with_capacity(admitted.len());
         let (mut computed, mut hits) = (0u64, 0u64);
-        for Admitted { mut seq, cache_len } in admitted {
+        let mut chunk_end = None;
+        for Admitted { mut seq, cache_len, end, hit } in admitted {
             let len = seq.tokens.len() as u32;
+            computed += (end - cache_len) as u64;
+            hits += hit as u64;
+            if end < len {
+                requests.push(intermediate_chunk(&seq, cache_len, end));
+                // Held here while the shard computes, so that a failure reaches its client.
+                self.partial = Some(Partial { seq, done: cache_len });
+                chunk_end = Some(end);
+                continue;
+            }
             let blocks = seq.blocks.as_ref().expect("admitted sequence has blocks");
             let r = &seq.entry.request;
             let mut parameters = r.parameters;
@@ -287,8 +338,6 @@ impl Scheduler {
                 generated_len: seq.generated_tokens,
                 grammar: r.grammar.clone(),
             });
-            computed += (len - cache_len) as u64;
-            hits += cache_len as u64;
             seq.seq_len = len;
             self.running.insert(seq.id(), seq);
         }
@@ -301,6 +350,13 @@ impl Scheduler {
             .await?;
         RouterState::add(&self.state.prefill_tokens_total, computed);
         RouterState::add(&self.state.prefix_hit_tokens_total, hits);
+        if let (Some(p), Some(end)) = (self.partial.as_mut(), chunk_end) {
+            // The shard keeps nothing of an intermediate chunk but its KV
+            // (its one sampled token is dropped: the request is not running).
+            p.done = end;
+            let blocks = p.seq.blocks.as_ref().expect("a chunked sequence holds its prompt blocks");
+            self.kv.commit(blocks, &p.seq.tokens[..end as usize]);
+        }
         // The shard confirmed these prompts' KV: their full blocks may be shared now.
         for id in &ids {
             if let Some(s) = self.running.get(id) {
@@ -436,6 +492,12 @@ impl Scheduler {
 
     /// Clients that went away free their blocks before the next step runs.
     async fn drop_cancelled(&mut self) -> Result<(), RouterError> {
+        if self.partial.as_ref().is_some_and(|p| p.seq.entry.is_cancelled()) {
+            // The shard holds nothing of it; its computed blocks stay cached.
+            let p = self.partial.take().expect("checked");
+            let blocks = p.seq.blocks.as_ref().expect("a chunked sequence holds its prompt blocks");
+            self.kv.commit(blocks, &p.seq.tokens[..p.done as usize]);
+        }
         let gone: Vec<u64> = self.running.values().filter(|s| s.entry.is_cancelled()).map(|s| s.id()).collect();
         if gone.is_empty() {
             return Ok(());
@@ -455,6 +517,7 @@ impl Scheduler {
         for (_, s) in self.running.drain() {
             s.fail(err.clone());
         }
+        let n = n + self.partial.take().map(|p| p.seq.fail(err.clone())).is_some() as u64;
         RouterState::add(&self.state.requests_failed, n);
         self.batches.clear();
         // Best effort: a shard that is still alive should not keep stale batches.

@@ -83,6 +83,12 @@ def add_bench_parser(sub) -> None:
     roof.add_argument("--model-dir", default=None)
     roof.add_argument("--context", type=int, default=128)
 
+    bound = bsub.add_parser("bound", help="workload floors (continuous vs static batching) from a suite's results.json")
+    bound.add_argument("results", help="results.json of `pagemill bench suite` (its roofline and baselines)")
+    bound.add_argument("--model-dir", default=None)
+    bound.add_argument("--batch-size", type=int, default=64, help="static batch of the baseline compared")
+    bound.add_argument("--result-file", default=None)
+
 
 def resolve_model_dir(model_dir: str | None) -> str:
     if model_dir:
@@ -103,6 +109,9 @@ def run_bench(a: argparse.Namespace) -> None:
         result = run_suite(a)
     elif a.bench_command == "sweep":
         result = _sweep(a)
+    elif a.bench_command == "bound":
+        result = _bound(a)
+        print(json.dumps(result, indent=2))
     else:
         from pagemill.bench.roofline import roofline_report
         from pagemill.models.config import ModelConfig
@@ -117,6 +126,29 @@ def run_bench(a: argparse.Namespace) -> None:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)
         print(f"wrote {path}", file=sys.stderr)
+
+
+def _bound(a: argparse.Namespace) -> dict:
+    """The suite's main workload (its dataset arguments, re-drawn from the
+    same seed) against the machine the suite measured."""
+    from tokenizers import Tokenizer
+
+    from pagemill.bench.datasets import random_dataset
+    from pagemill.bench.roofline import Machine
+    from pagemill.bench.workload_floor import bound_report
+    from pagemill.models.config import ModelConfig
+
+    with open(a.results) as f:
+        res = json.load(f)
+    model_dir = resolve_model_dir(a.model_dir)
+    args = res["args"]
+    reqs = random_dataset(Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json")), args["num_prompts"],
+                          args["random_input_len"], args["random_output_min"], args["random_output_max"],
+                          args["random_range_ratio"], args["seed"])  # fmt: skip
+    measured = [b["output_throughput"] for b in res.get("baselines", []) if b["batch_size"] == a.batch_size]
+    return bound_report(ModelConfig.from_model_dir(model_dir), Machine(**res["roofline"]["machine"]),
+                        [r.prompt_len for r in reqs], [r.output_len for r in reqs], a.batch_size,
+                        measured[0] if measured else None)  # fmt: skip
 
 
 def _sweep(a: argparse.Namespace) -> dict:

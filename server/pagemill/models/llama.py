@@ -150,9 +150,9 @@ class LlamaForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def pack_weights(self) -> int:
+    def pack_weights(self, cpu_kernels: bool = True) -> int:
         """Builds the CPU-packed weight copies (see packed_linear); call after loading."""
-        return pack_all(self)
+        return pack_all(self, cpu_kernels)
 
     @property
     def num_kv_heads(self) -> int:

@@ -56,8 +56,10 @@ def load_model(
     device: str | torch.device = "cpu",
     backend: AttentionBackend | None = None,
     group: ParallelGroup | None = None,
+    cpu_kernels: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """group: this rank's tensor-parallel group; the rank then reads only its slices."""
+    """group: this rank's tensor-parallel group; the rank then reads only its slices.
+    cpu_kernels: use the compiled CPU matvec for single-row decode linears."""
     config = ModelConfig.from_model_dir(model_dir)
     dtype, device = parse_dtype(dtype), torch.device(device)
     # Build on the meta device: no time spent on random init we would overwrite.
@@ -67,7 +69,7 @@ def load_model(
     model.tie_weights()  # to_empty created fresh parameters
     load_weights(model, safetensors_files(model_dir))
     model.eval().requires_grad_(False)
-    model.pack_weights()  # CPU float32 only; see models/packed_linear.py
+    model.pack_weights(cpu_kernels)  # CPU float32 only; see models/packed_linear.py
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
         log.warning(
             "sliding_window=%d is not applied by the attention backends; sequences longer than it "

@@ -10,6 +10,10 @@ compute-bound and as fast or faster there.
 
 The packed copy costs the weight's memory a second time; it is only made on
 CPU for float32 (oneDNN's bf16/f16 paths are not what the tests check).
+
+At MATVEC_MAX_ROWS (1) row a compiled matrix-vector kernel
+(pagemill.cpu_kernels) beats both: it reads the plain weight at close to
+memory speed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,11 @@ PACKED_MAX_ROWS = 256
 # oneDNN picks its blocking from a batch-size hint; 16 gave the best
 # bandwidth at 1..16 rows and matched hint=64 at 64 rows.
 _PACK_HINT = 16
+# Rows up to which the compiled matvec kernel is used instead. Measured on
+# the default model, 2 threads, idle machine, interleaved A/B
+# (benchmarks/decode_ab.py): batch-1 decode step 42-44 -> 29-31 ms (1.4x);
+# batch 2 1.01x (no gain), so only single rows take it.
+MATVEC_MAX_ROWS = 1
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -40,13 +49,19 @@ class PackedLinear(nn.Linear):
     """Same parameters and state-dict names as nn.Linear; `pack()` after loading."""
 
     packed: torch.Tensor | None = None
+    matvec = None  # cpu_kernels.MatvecKernel, set by pack() where it builds
 
-    def pack(self) -> None:
-        """(Re)builds the packed copy from the current weight; no-op where unsupported."""
+    def pack(self, cpu_kernels: bool = True) -> None:
+        """(Re)builds the packed copy from the current weight; no-op where unsupported.
+        cpu_kernels: also use the compiled matvec for single rows (cpu_kernels/)."""
         w = self.weight
-        self.packed = None
+        self.packed = self.matvec = None
         if packing_available(w.device, w.dtype):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT)
+            if cpu_kernels and w.is_contiguous():
+                from pagemill.cpu_kernels import matvec_kernel
+
+                self.matvec = matvec_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
@@ -57,15 +72,17 @@ class PackedLinear(nn.Linear):
         if packed is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] > PACKED_MAX_ROWS:
             return F.linear(x, self.weight, bias)
         if torch.is_grad_enabled() and x.requires_grad:
-            return F.linear(x, self.weight, bias)  # the packed op has no backward
+            return F.linear(x, self.weight, bias)  # the packed ops have no backward
+        if self.matvec is not None and 0 < x.shape[0] <= MATVEC_MAX_ROWS:
+            return self.matvec(x.contiguous(), self.weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
-def pack_all(module: nn.Module) -> int:
+def pack_all(module: nn.Module, cpu_kernels: bool = True) -> int:
     """Packs every PackedLinear under `module`; returns how many were packed."""
     n = 0
     for m in module.modules():
         if isinstance(m, PackedLinear):
-            m.pack()
+            m.pack(cpu_kernels)
             n += m.packed is not None
     return n

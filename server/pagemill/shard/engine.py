@@ -111,14 +111,16 @@ class ModelRunner:
         group = group or ParallelGroup.single(cfg.device)
         device = group.device  # with several CUDA ranks: this rank's GPU
         backend = select_backend(cfg.attention, device)
-        model, config = load_model(cfg.model_dir, parse_dtype(cfg.dtype), device, backend, group)
+        model, config = load_model(cfg.model_dir, parse_dtype(cfg.dtype), device, backend, group,
+                                   cpu_kernels=cfg.cpu_kernels)
         draft = None
         if cfg.speculate > 0 and cfg.speculate_method == "draft":
             if not cfg.draft_model:
                 raise ValueError("--speculate-method draft needs --draft-model DIR")
             # The draft is small: every rank runs all of it (replicated, no
             # communication), fed the same inputs and sampler, so proposals agree.
-            d_model, d_config = load_model(cfg.draft_model, parse_dtype(cfg.dtype), device, backend)
+            d_model, d_config = load_model(cfg.draft_model, parse_dtype(cfg.dtype), device, backend,
+                                           cpu_kernels=cfg.cpu_kernels)
             draft = DraftProposer(d_model, d_config, device, cfg.block_size)
         return cls(
             model,
