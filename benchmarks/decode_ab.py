@@ -1,14 +1,17 @@
-"""A/B of the compiled matvec kernel against oneDNN's packed linear, interleaved in one process.
+"""A/B of the compiled CPU kernels against torch's own ops, interleaved in one process.
 
     python benchmarks/decode_ab.py --batch-size 1 --steps 30
 
-Two measurements, alternating A and B each round so that machine noise hits
-both alike: (1) the model's decode linears alone (every projection of the 30
-layers + the output head, the shapes of the default model, one row each),
-and (2) full shard decode steps of the default model (forward_ns as the
-shard reports it), with the kernel switched off and on between steps.
-Prints medians and minima; on a shared machine compare the ratio, not the
-absolute times.
+Two measurements, alternating the variants each round so that machine noise
+hits them alike: (1) the model's decode linears alone (every projection of
+the 30 layers + the output head, the shapes of the default model, one row
+each), compiled matvec against oneDNN's packed linear; and (2) full shard
+decode steps of the default model (forward_ns as the shard reports it), in
+three variants switched between steps: `fused` (the default: whole-layer
+kernel at batch 1, paged-attention kernel above it), `matvec` (the module
+path with the matvec kernel and torch attention) and `onednn` (no compiled
+kernel at all). Prints medians and minima; on a shared machine compare the
+ratios, not the absolute times.
 """
 
 from __future__ import annotations
@@ -57,15 +60,18 @@ def decode_ab(batch_size: int, steps: int) -> dict:
 
     runner = ModelRunner.from_shard_config(ShardConfig(model_dir=resolve_model_dir(None), uds_path=""))
     warm_runner(runner, max_batch_size=batch_size, max_prefill_tokens=batch_size * 64, max_input=64 + 2 * steps + 2)
-    lin = [m for m in runner.model.modules() if isinstance(m, PackedLinear)]
-    kernels = [m.matvec for m in lin]
+    model = runner.model
+    lin = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    kernels, fused, attn = [m.matvec for m in lin], model.model.fused, model.backend.kernels
     d = ShardDriver(runner)
-    batch, _ = d.prefill(random_prompts(batch_size, 64, runner.config.vocab_size), max_new_tokens=2 * steps + 1)
-    times = {"kernel": [], "onednn": []}
+    batch, _ = d.prefill(random_prompts(batch_size, 64, runner.config.vocab_size), max_new_tokens=3 * steps + 1)
+    times = {"fused": [], "matvec": [], "onednn": []}
     for _ in range(steps):
         for kind in times:
             for m, k in zip(lin, kernels):
-                m.matvec = k if kind == "kernel" else None
+                m.matvec = None if kind == "onednn" else k
+            model.model.fused = fused if kind == "fused" else None
+            model.backend.kernels = attn if kind == "fused" else None
             times[kind].append(d.decode(batch).forward_ns / 1e6)
     return {k: {"median_ms": statistics.median(v), "min_ms": min(v)} for k, v in times.items()}
 
@@ -78,9 +84,10 @@ def main() -> None:
     a = p.parse_args()
     with torch.inference_mode():
         for name, res in (("linears", linears_ab(a.rounds)), ("decode step", decode_ab(a.batch_size, a.steps))):
-            ratio = res["onednn"]["median_ms"] / res["kernel"]["median_ms"]
-            print(name, {k: {m: round(x, 1) for m, x in v.items()} for k, v in res.items()},
-                  f"onednn/kernel median ratio {ratio:.2f}")  # fmt: skip
+            first = next(iter(res))
+            ratios = ", ".join(f"{k}/{first} {res[k]['median_ms'] / res[first]['median_ms']:.2f}" for k in res
+                               if k != first)  # fmt: skip
+            print(name, {k: {m: round(x, 1) for m, x in v.items()} for k, v in res.items()}, f"median ratios: {ratios}")
 
 
 if __name__ == "__main__":

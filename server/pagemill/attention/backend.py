@@ -60,16 +60,17 @@ class AttentionBackend(Protocol):
         """One query token per sequence against its first context_lens keys."""
 
 
-def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
+def select_backend(name: str, device: torch.device | str, cpu_kernels: bool = False) -> AttentionBackend:
     """Returns the backend called `name` for `device`, or raises a clear error naming what is missing.
 
     "auto" takes flash, else triton on CUDA, and torch everywhere else.
+    cpu_kernels: on the CPU, the torch backend's float32 decode runs the compiled paged kernel.
     """
     device = torch.device(device)
     if name not in BACKEND_NAMES:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if name == "torch":
-        return _torch()
+        return _torch(device, cpu_kernels)
     if name == "flash":
         return _flash(device)
     if name == "triton":
@@ -84,7 +85,7 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
             except RuntimeError as e:
                 skipped.append(str(e))
         why = "; ".join(skipped) or "flash-attn is available"
-    chosen = chosen or _torch()
+    chosen = chosen or _torch(device, cpu_kernels)
     message = f"attention backend: auto chose {chosen.name!r} ({why})"
     if message not in _LOGGED:
         _LOGGED.add(message)
@@ -92,9 +93,13 @@ def select_backend(name: str, device: torch.device | str) -> AttentionBackend:
     return chosen
 
 
-def _torch() -> AttentionBackend:
+def _torch(device: torch.device, cpu_kernels: bool) -> AttentionBackend:
     from pagemill.attention.torch_backend import TorchAttentionBackend
 
+    if cpu_kernels and device.type == "cpu":
+        from pagemill.cpu_kernels import decode_kernels
+
+        return TorchAttentionBackend(decode_kernels())
     return TorchAttentionBackend()
 
 

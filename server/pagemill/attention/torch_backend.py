@@ -6,6 +6,11 @@ cached before this step; decode gathers every sequence's blocks at once and
 masks positions past context_lens. GQA maps query head h to kv head
 h // (heads // kv_heads), as HF's repeat_kv does: prefill through SDPA's
 enable_gqa, decode by folding each kv head's query heads into query rows.
+
+Given the compiled CPU kernels (`--cpu-kernels`, the default; see
+cpu_kernels/decode.cpp), float32 decode on the CPU reads the paged cache in
+place instead of gathering it; `TorchAttentionBackend()` alone is the pure
+torch reference the tests compare against.
 """
 
 from __future__ import annotations
@@ -14,11 +19,15 @@ import torch
 import torch.nn.functional as F
 
 from pagemill.attention.kv_dtype import write_rows
+from pagemill.cpu_kernels import DecodeKernels
 from pagemill.attention.metadata import AttentionMetadata
 
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def __init__(self, kernels: DecodeKernels | None = None) -> None:
+        self.kernels = kernels
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         # [num_blocks, block_size, kv_heads, head_dim] viewed as one row per slot.
@@ -52,6 +61,8 @@ class TorchAttentionBackend:
         return out
 
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.kernels is not None and _kernel_applies(q, k_cache, v_cache, meta):
+            return self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
         batch, width = meta.block_tables.shape
         block_size, kv_heads, head_dim = k_cache.shape[1:]
         tables, mask, length = _decode_indices(meta, block_size)
@@ -69,6 +80,19 @@ class TorchAttentionBackend:
             q.view(batch, kv_heads, group, head_dim), keys, values, attn_mask=mask, scale=scale
         )
         return out.reshape(batch, kv_heads * group, head_dim)
+
+
+def _kernel_applies(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and q.stride(2) == 1
+        and q.stride(1) == q.shape[2]
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+        and meta.block_tables.is_contiguous()
+        and meta.block_tables.dtype == meta.context_lens.dtype == torch.int32
+    )
 
 
 def _decode_indices(meta: AttentionMetadata, block_size: int):

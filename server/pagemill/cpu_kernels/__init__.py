@@ -1,12 +1,15 @@
 """Small C++ kernels for the CPU decode hot path, compiled on first use.
 
-Only the float32 matrix-vector product lives here (matvec.cpp says why).
-It is built once per machine with the system C++ compiler (`$CXX`, else
+- matvec.cpp: the float32 matrix-vector product of single-row linears.
+- decode.cpp: a whole decoder layer for one token, and paged attention for a
+  batch of single-token queries (each file says why).
+
+They form one library, built once per machine with the system C++ compiler (`$CXX`, else
 g++/c++) and `-march=native`, cached under `$PAGEMILL_KERNEL_CACHE`
 (default `~/.cache/pagemill/kernels`), and loaded with ctypes: no ninja, no
 torch headers, so the build takes about a second. When no compiler is found
-or the build fails, `matvec_kernel()` returns None once (logged) and callers
-keep torch's own linear. `pagemill launch --no-cpu-kernels` turns it off.
+or the build fails, `matvec_kernel()` / `decode_kernels()` return None (logged once) and
+callers keep torch's own ops. `pagemill launch --no-cpu-kernels` turns it off.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).with_name("matvec.cpp")
+_DIR = Path(__file__).parent
+_SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp"]
+_HEADERS = [_DIR / "vec.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -53,37 +58,85 @@ class MatvecKernel:
         return y
 
 
+class DecodeKernels:
+    """decode.cpp's entry points; the tensors' layout is checked by the callers
+    (models/fused_decode.py, attention/torch_backend.py)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self.layer = lib.pagemill_decode_layer
+        self.layer.restype = ctypes.c_int
+        self.layer.argtypes = [vp, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, i64, ctypes.c_int]
+        self.layer_ptrs = int(lib.pagemill_decode_layer_ptrs())
+        self.layer_dims = int(lib.pagemill_decode_layer_dims())
+        self.attention = lib.pagemill_paged_attention
+        self.attention.restype = ctypes.c_int
+        self.attention.argtypes = [vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [f32, ctypes.c_int]
+
+    def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B, heads, head_dim] float32 (heads contiguous), caches [blocks, block_size, kv_heads, head_dim]
+        float32 contiguous, block_tables [B, W] / context_lens [B] int32 contiguous -> [B, heads, head_dim]."""
+        b, heads, d = q.shape
+        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        out = torch.empty((b, heads, d), dtype=torch.float32)
+        rc = self.attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
+                            b, heads, kv_heads, d, block_size, scale, torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"paged attention: {heads} heads is not a multiple of {kv_heads} kv heads")
+        return out
+
+
 def matvec_kernel() -> MatvecKernel | None:
-    """The process-wide kernel, built or loaded on first call; None where unavailable."""
+    """The process-wide matvec, built or loaded on first call; None where unavailable."""
+    lib = _library()
+    return None if lib is None else _wrapper("matvec", MatvecKernel, lib)
+
+
+def decode_kernels() -> DecodeKernels | None:
+    """The process-wide decode kernels; None where unavailable."""
+    lib = _library()
+    return None if lib is None else _wrapper("decode", DecodeKernels, lib)
+
+
+def _wrapper(name: str, cls, lib: ctypes.CDLL):
     with _lock:
-        if "matvec" not in _state:
-            _state["matvec"] = _load()
-        return _state["matvec"]  # type: ignore[return-value]
+        if name not in _state:
+            _state[name] = cls(lib)
+        return _state[name]
 
 
-def _load() -> MatvecKernel | None:
+def _library() -> ctypes.CDLL | None:
+    with _lock:
+        if "lib" not in _state:
+            _state["lib"] = _load()
+        return _state["lib"]  # type: ignore[return-value]
+
+
+def _load() -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None  # the build line and the OpenMP sharing below are only checked there
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if not cxx:
-        log.info("cpu kernels: no C++ compiler found; using torch's linear for decode")
+        log.info("cpu kernels: no C++ compiler found; using torch's ops for decode")
         return None
     try:
         path = _build(cxx)
         # torch is imported, so its libgomp.so.1 is loaded: the library's
         # NEEDED libgomp.so.1 resolves to it and the two share one pool.
-        return MatvecKernel(ctypes.CDLL(str(path)))
+        return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("cpu kernels: build or load failed (%s); using torch's linear for decode", e)
+        log.warning("cpu kernels: build or load failed (%s); using torch's ops for decode", e)
         return None
 
 
 def _build(cxx: str) -> Path:
-    source = _SOURCE.read_bytes()
+    source = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
     # -march=native: the binary is only valid for this CPU, so its flags are part of the key.
     key = hashlib.sha256(source + " ".join([cxx, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEMILL_KERNEL_CACHE") or Path.home() / ".cache" / "pagemill" / "kernels")
-    path = cache / f"matvec-{key}.so"
+    path = cache / f"cpu-kernels-{key}.so"
     if path.exists():
         return path
     cache.mkdir(parents=True, exist_ok=True)
@@ -91,7 +144,7 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *_FLAGS, str(_SOURCE), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([cxx, *_FLAGS, f"-I{_DIR}", *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

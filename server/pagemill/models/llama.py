@@ -25,6 +25,7 @@ from torch import nn
 from pagemill.attention.backend import AttentionBackend
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.models.config import ModelConfig
+from pagemill.models.fused_decode import FusedDecoder
 from pagemill.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
 from pagemill.models.packed_linear import pack_all
 from pagemill.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -112,11 +113,14 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
+        self.fused: FusedDecoder | None = None  # set by LlamaForCausalLM.pack_weights where it applies
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # One cos/sin for all layers: positions do not change inside a forward.
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.fused is not None and self.fused.applies(x, meta, kv_caches):
+            return self.norm(self.fused(x, cos, sin, meta, kv_caches))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv_cache)
         return self.norm(x)
@@ -151,8 +155,15 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def pack_weights(self, cpu_kernels: bool = True) -> int:
-        """Builds the CPU-packed weight copies (see packed_linear); call after loading."""
-        return pack_all(self, cpu_kernels)
+        """Builds the CPU-packed weight copies (see packed_linear) and, with cpu_kernels, the
+        single-token fused decode (see fused_decode); call after loading."""
+        n = pack_all(self, cpu_kernels)
+        self.model.fused = None
+        if cpu_kernels:
+            from pagemill.cpu_kernels import decode_kernels
+
+            self.model.fused = FusedDecoder.build(self, decode_kernels())
+        return n
 
     @property
     def num_kv_heads(self) -> int:

@@ -110,7 +110,7 @@ class ModelRunner:
         """group: the tensor-parallel group of cfg.rank (None: a single unsharded shard)."""
         group = group or ParallelGroup.single(cfg.device)
         device = group.device  # with several CUDA ranks: this rank's GPU
-        backend = select_backend(cfg.attention, device)
+        backend = select_backend(cfg.attention, device, cpu_kernels=cfg.cpu_kernels)
         model, config = load_model(cfg.model_dir, parse_dtype(cfg.dtype), device, backend, group,
                                    cpu_kernels=cfg.cpu_kernels)
         draft = None

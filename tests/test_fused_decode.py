@@ -1,0 +1,135 @@
+"""The compiled decode kernels (cpu_kernels/decode.cpp) against the torch path and transformers.
+
+- whole-layer single-token decode (models/fused_decode.py): every tiny
+  variant, greedy steps across block boundaries, logits against HF;
+- paged attention for a batch of single-token queries: against the pure
+  torch reference decode on shuffled block tables, and in a served batch.
+Skipped where the kernels cannot be built (no compiler, not x86-64 Linux).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_model import PagedHarness, assert_close, hf_logits, prompts
+
+from pagemill.attention.metadata import make_metadata
+from pagemill.attention.torch_backend import TorchAttentionBackend
+from pagemill.cpu_kernels import decode_kernels
+from pagemill.models.loader import load_model
+
+kernels = decode_kernels()
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler / not x86-64 Linux")
+
+
+class Spy:
+    """Counts the forwards that took the fused path."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def applies(self, *args) -> bool:
+        return self.inner.applies(*args)
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.inner(*args)
+
+
+def greedy(h: PagedHarness, seqs: dict[int, list[int]], steps: int) -> list[tuple[int, int, torch.Tensor]]:
+    """Prefill, then `steps` decode steps; (seq, position of the logits row, logits) of every decode."""
+    for sid, lg in h.prefill(seqs).items():
+        seqs[sid] = seqs[sid] + [int(lg[-1].argmax())]
+    seen = []
+    for _ in range(steps):
+        for sid, lg in h.decode(seqs).items():
+            seen.append((sid, len(seqs[sid]) - 1, lg))
+            seqs[sid] = seqs[sid] + [int(lg.argmax())]
+    return seen
+
+
+def test_fused_single_token_decode_matches_transformers(tiny_model):
+    name, model_dir, hf = tiny_model
+    model, config = load_model(model_dir, "float32", "cpu")
+    assert model.model.fused is not None, "float32 CPU model without tensor parallelism takes the fused path"
+    spy = model.model.fused = Spy(model.model.fused)
+    seqs = {0: prompts(config.vocab_size, [6])[0]}
+    seen = greedy(PagedHarness(model, config), seqs, steps=14)  # 6 + 14 tokens: 5 blocks of 4
+    assert spy.calls == 14
+    ref = hf_logits(hf, seqs[0])
+    for sid, pos, lg in seen:
+        assert_close(lg, ref[pos], f"{name} fused decode position {pos}")
+
+
+def test_fused_matches_module_path_on_default_model(default_model_dir):
+    """SmolLM2 (GQA 9/3, 30 layers): fused and module path on the same cache, step by step."""
+    model, config = load_model(str(default_model_dir), "float32", "cpu")
+    fused = model.model.fused
+    assert fused is not None
+    h = PagedHarness(model, config, num_blocks=64)
+    seqs = {0: prompts(config.vocab_size, [21])[0]}
+    for sid, lg in h.prefill(seqs).items():
+        seqs[sid] = seqs[sid] + [int(lg[-1].argmax())]
+    for _ in range(5):
+        model.model.fused = None
+        ref = h.decode(seqs)[0]  # writes this token's k/v; the fused step rewrites the same values
+        model.model.fused = fused
+        out = h.decode(seqs)[0]
+        assert_close(out, ref, "fused vs module path")
+        seqs[0] = seqs[0] + [int(out.argmax())]
+
+
+def test_fused_path_is_skipped_where_it_does_not_apply(llama_dir):
+    model, config = load_model(llama_dir, "float32", "cpu")
+    fused = model.model.fused
+    x = torch.zeros(1, config.hidden_size)
+
+    def meta(is_prefill=False, n=1):
+        return make_metadata(is_prefill=is_prefill, query_lens=[1] * n, kv_lens=[3] * n, block_tables=[[1]] * n,
+                             slot_mapping=list(range(n)), device="cpu")  # fmt: skip
+
+    caches = [(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16))]
+    assert fused.applies(x, meta(), caches)
+    assert not fused.applies(x, meta(is_prefill=True), caches)
+    assert not fused.applies(torch.zeros(2, config.hidden_size), meta(n=2), caches)
+    fp8 = [tuple(c.to(torch.float8_e4m3fn) for c in caches[0])]
+    assert not fused.applies(x, meta(), fp8)
+    # --no-cpu-kernels and non-float32 models never build it.
+    assert load_model(llama_dir, "float32", "cpu", cpu_kernels=False)[0].model.fused is None
+    assert load_model(llama_dir, "bfloat16", "cpu")[0].model.fused is None
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (4, 4, 32, 8),
+                                                                (6, 1, 8, 5)])  # fmt: skip
+def test_paged_attention_matches_torch_reference(heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
+    num_blocks, lens = 64, [1, block_size, block_size + 1, 37, 2 * block_size - 1, 50]
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()  # shuffled, block 0 is scratch
+    tables = []
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append([perm.pop() for _ in range(need)])
+    meta = make_metadata(is_prefill=False, query_lens=[1] * len(lens), kv_lens=lens, block_tables=tables,
+                         slot_mapping=list(range(len(lens))), device="cpu")  # fmt: skip
+    # q as the model makes it: the first `heads` of a [B, heads + kv_heads, D] tensor (strided rows).
+    q = torch.randn(len(lens), heads + kv_heads, head_dim, generator=g)[:, :heads]
+    scale = head_dim**-0.5
+    ref = TorchAttentionBackend().decode(q, k_cache, v_cache, meta, scale)
+    out = TorchAttentionBackend(kernels).decode(q, k_cache, v_cache, meta, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_batched_decode_with_paged_kernel_matches_transformers(llama_dir):
+    """A served batch (4 sequences, the late one joining) through the kernel's attention."""
+    from conftest import load_hf
+
+    model, config = load_model(llama_dir, "float32", "cpu", backend=TorchAttentionBackend(kernels))
+    h = PagedHarness(model, config)
+    seqs = {i: p for i, p in enumerate(prompts(config.vocab_size, [5, 9, 2, 12]))}
+    seen = greedy(h, seqs, steps=10)
+    hf = load_hf(llama_dir)
+    ref = {sid: hf_logits(hf, tokens) for sid, tokens in seqs.items()}
+    for sid, pos, lg in seen:
+        assert_close(lg, ref[sid][pos], f"batched kernel decode seq {sid} position {pos}")
