@@ -1,7 +1,8 @@
 """The compiled decode kernels (cpu_kernels/decode.cpp) against the torch path and transformers.
 
-- whole-layer single-token decode (models/fused_decode.py): every tiny
-  variant, greedy steps across block boundaries, logits against HF;
+- whole-layer small-batch decode (models/fused_decode.py): every tiny
+  variant, batches of 1..FUSED_MAX_BATCH, greedy steps across block
+  boundaries, logits against HF;
 - paged attention for a batch of single-token queries: against the pure
   torch reference decode on shuffled block tables, and in a served batch.
 Skipped where the kernels cannot be built (no compiler, not x86-64 Linux).
@@ -16,6 +17,7 @@ from test_model import PagedHarness, assert_close, hf_logits, prompts
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
 from pagemill.cpu_kernels import decode_kernels
+from pagemill.models.fused_decode import FUSED_MAX_BATCH
 from pagemill.models.loader import load_model
 
 kernels = decode_kernels()
@@ -48,17 +50,18 @@ def greedy(h: PagedHarness, seqs: dict[int, list[int]], steps: int) -> list[tupl
     return seen
 
 
-def test_fused_single_token_decode_matches_transformers(tiny_model):
+@pytest.mark.parametrize("batch", [1, 3, FUSED_MAX_BATCH])
+def test_fused_decode_matches_transformers(tiny_model, batch):
     name, model_dir, hf = tiny_model
     model, config = load_model(model_dir, "float32", "cpu")
     assert model.model.fused is not None, "float32 CPU model without tensor parallelism takes the fused path"
     spy = model.model.fused = Spy(model.model.fused)
-    seqs = {0: prompts(config.vocab_size, [6])[0]}
+    seqs = dict(enumerate(prompts(config.vocab_size, [6, 1, 9, 4, 13][:batch])))
     seen = greedy(PagedHarness(model, config), seqs, steps=14)  # 6 + 14 tokens: 5 blocks of 4
     assert spy.calls == 14
-    ref = hf_logits(hf, seqs[0])
+    ref = {sid: hf_logits(hf, tokens) for sid, tokens in seqs.items()}
     for sid, pos, lg in seen:
-        assert_close(lg, ref[pos], f"{name} fused decode position {pos}")
+        assert_close(lg, ref[sid][pos], f"{name} fused decode batch {batch} seq {sid} position {pos}")
 
 
 def test_fused_matches_module_path_on_default_model(default_model_dir):
@@ -67,16 +70,17 @@ def test_fused_matches_module_path_on_default_model(default_model_dir):
     fused = model.model.fused
     assert fused is not None
     h = PagedHarness(model, config, num_blocks=64)
-    seqs = {0: prompts(config.vocab_size, [21])[0]}
+    seqs = dict(enumerate(prompts(config.vocab_size, [21, 5])))
     for sid, lg in h.prefill(seqs).items():
         seqs[sid] = seqs[sid] + [int(lg[-1].argmax())]
-    for _ in range(5):
+    for _ in range(4):
         model.model.fused = None
-        ref = h.decode(seqs)[0]  # writes this token's k/v; the fused step rewrites the same values
+        ref = h.decode(seqs)  # writes this step's k/v; the fused step rewrites the same values
         model.model.fused = fused
-        out = h.decode(seqs)[0]
-        assert_close(out, ref, "fused vs module path")
-        seqs[0] = seqs[0] + [int(out.argmax())]
+        out = h.decode(seqs)
+        for sid in seqs:
+            assert_close(out[sid], ref[sid], f"fused vs module path seq {sid}")
+            seqs[sid] = seqs[sid] + [int(out[sid].argmax())]
 
 
 def test_fused_path_is_skipped_where_it_does_not_apply(llama_dir):
@@ -91,7 +95,9 @@ def test_fused_path_is_skipped_where_it_does_not_apply(llama_dir):
     caches = [(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16))]
     assert fused.applies(x, meta(), caches)
     assert not fused.applies(x, meta(is_prefill=True), caches)
-    assert not fused.applies(torch.zeros(2, config.hidden_size), meta(n=2), caches)
+    assert fused.applies(torch.zeros(2, config.hidden_size), meta(n=2), caches)
+    n = FUSED_MAX_BATCH + 1
+    assert not fused.applies(torch.zeros(n, config.hidden_size), meta(n=n), caches)
     fp8 = [tuple(c.to(torch.float8_e4m3fn) for c in caches[0])]
     assert not fused.applies(x, meta(), fp8)
     # --no-cpu-kernels and non-float32 models never build it.
@@ -122,12 +128,12 @@ def test_paged_attention_matches_torch_reference(heads, kv_heads, head_dim, bloc
 
 
 def test_batched_decode_with_paged_kernel_matches_transformers(llama_dir):
-    """A served batch (4 sequences, the late one joining) through the kernel's attention."""
+    """A batch above FUSED_MAX_BATCH through the module path with the kernel's attention."""
     from conftest import load_hf
 
     model, config = load_model(llama_dir, "float32", "cpu", backend=TorchAttentionBackend(kernels))
     h = PagedHarness(model, config)
-    seqs = {i: p for i, p in enumerate(prompts(config.vocab_size, [5, 9, 2, 12]))}
+    seqs = dict(enumerate(prompts(config.vocab_size, [5, 9, 2, 12, 1, 7, 3][: FUSED_MAX_BATCH + 1])))
     seen = greedy(h, seqs, steps=10)
     hf = load_hf(llama_dir)
     ref = {sid: hf_logits(hf, tokens) for sid, tokens in seqs.items()}

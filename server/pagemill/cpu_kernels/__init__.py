@@ -66,9 +66,10 @@ class DecodeKernels:
         vp, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self.layer = lib.pagemill_decode_layer
         self.layer.restype = ctypes.c_int
-        self.layer.argtypes = [vp, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, i64, ctypes.c_int]
+        self.layer.argtypes = [vp, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp, ctypes.c_int]
         self.layer_ptrs = int(lib.pagemill_decode_layer_ptrs())
         self.layer_dims = int(lib.pagemill_decode_layer_dims())
+        self.layer_max_rows = int(lib.pagemill_decode_layer_max_rows())
         self.attention = lib.pagemill_paged_attention
         self.attention.restype = ctypes.c_int
         self.attention.argtypes = [vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [f32, ctypes.c_int]

@@ -1,5 +1,6 @@
-// Decode on the CPU, float32: one whole Llama decoder layer for a single
-// token, and paged attention for a batch of single-token queries.
+// Decode on the CPU, float32: one whole Llama decoder layer for a few
+// sequences of one token each, and paged attention for a batch of
+// single-token queries.
 //
 // Why: at batch 1 a decode step should cost one stream over the weights
 // (~17 ms for the default model at ~32 GB/s), but each layer also ran ~25
@@ -49,6 +50,56 @@ void rotary(float* x, int64_t heads, int64_t D, const float* cos, const float* s
   }
 }
 
+// out[m] = x[m] . w for M input rows x (stride K) against one weight row w:
+// the weight row is loaded once per 16 floats for all M rows.
+template <int M>
+inline void rows_dot(const float* x, const float* w, int64_t K, float* out) {
+  if (M == 1) {  // two FMA chains for one row (pagemill::dot)
+    out[0] = dot(w, x, K);
+    return;
+  }
+#if defined(__AVX512F__)
+  __m512 a[M];
+  for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) {
+    const __mmask16 t = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    const __m512 u = _mm512_maskz_loadu_ps(t, w + k);
+    for (int m = 0; m < M; ++m) a[m] = _mm512_fmadd_ps(u, _mm512_maskz_loadu_ps(t, x + m * K + k), a[m]);
+  }
+  for (int m = 0; m < M; ++m) out[m] = _mm512_reduce_add_ps(a[m]);
+#else
+  for (int m = 0; m < M; ++m) out[m] = dot(w, x + m * K, K);
+#endif
+}
+
+// y[m * N + n] (+)= x[m] . w[n] + bias[n] for m < M; the calling thread's share
+// of n (an orphaned `omp for`: call it inside a parallel region).
+template <int M>
+void linear_share(const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K, bool add) {
+#pragma omp for schedule(static)
+  for (int64_t n = 0; n < N; ++n) {
+    float r[M];
+    rows_dot<M>(x, w + n * K, K, r);
+    const float b = bias ? bias[n] : 0.f;
+    for (int m = 0; m < M; ++m) y[m * N + n] = (add ? y[m * N + n] : 0.f) + (r[m] + b);
+  }
+}
+
+constexpr int kMaxLayerRows = 8;
+
+void linear(int64_t M, const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K, bool add) {
+  switch (M) {
+    case 1: linear_share<1>(x, w, bias, y, N, K, add); break;
+    case 2: linear_share<2>(x, w, bias, y, N, K, add); break;
+    case 3: linear_share<3>(x, w, bias, y, N, K, add); break;
+    case 4: linear_share<4>(x, w, bias, y, N, K, add); break;
+    case 5: linear_share<5>(x, w, bias, y, N, K, add); break;
+    case 6: linear_share<6>(x, w, bias, y, N, K, add); break;
+    case 7: linear_share<7>(x, w, bias, y, N, K, add); break;
+    case 8: linear_share<8>(x, w, bias, y, N, K, add); break;
+  }
+}
+
 // Indices into the layer's pointer table (models/fused_decode.py builds it).
 enum Ptr { kInNorm, kQkvW, kQkvB, kOW, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNumPtrs };
 // Indices into the dims table.
@@ -60,18 +111,26 @@ extern "C" {
 
 int pagemill_decode_layer_ptrs() { return kNumPtrs; }
 int pagemill_decode_layer_dims() { return kNumDims; }
+int pagemill_decode_layer_max_rows() { return kMaxLayerRows; }
 
-// One decoder layer for one token. x [H]: the residual stream, updated in
-// place. ptrs: float pointers as int64 (bias entries may be 0). The token's
-// k/v are written at flat `slot` of the caches before attention reads the
-// first `len` rows of the sequence (len includes this token).
-int pagemill_decode_layer(float* x, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
+// One decoder layer for B sequences of one new token each (B <= kMaxLayerRows).
+// x [B, H]: the residual stream, updated in place. ptrs: float pointers as
+// int64 (bias entries may be 0). cos/sin [B, D]. Token b's k/v are written at
+// flat slot slots[b] before attention reads the first lens[b] rows of its
+// sequence (block_tables [B, width]; lens include the new token).
+int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
                           const float* cos, const float* sin, float* k_cache, float* v_cache,
-                          const int32_t* block_table, int64_t len, int64_t slot, int threads) {
+                          const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
+                          int threads) {
   auto p = [ptrs](Ptr i) { return reinterpret_cast<const float*>(ptrs[i]); };
   const int64_t H = dims[kHidden], nh = dims[kHeads], nkv = dims[kKvHeads], D = dims[kHeadDim];
   const int64_t I = dims[kInter], bs = dims[kBlockSize];
-  if (nkv <= 0 || nh % nkv != 0 || len <= 0) return 1;
+  if (B < 1 || B > kMaxLayerRows || nkv <= 0 || nh % nkv != 0) return 1;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    if (lens[b] <= 0) return 1;
+    max_len = lens[b] > max_len ? lens[b] : max_len;
+  }
   const int64_t group = nh / nkv, nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk;
   const float *in_norm = p(kInNorm), *qkv_w = p(kQkvW), *qkv_b = p(kQkvB), *o_w = p(kOW);
   const float *post_norm = p(kPostNorm), *gu_w = p(kGateUpW), *gu_b = p(kGateUpB);
@@ -79,35 +138,40 @@ int pagemill_decode_layer(float* x, const int64_t* ptrs, const int64_t* dims, fl
 
   // Scratch shared by the threads of the region below; kept between calls.
   static thread_local std::vector<float> buf;
-  buf.resize(H + nqkv + nq + 2 * I + nh * len);
-  float *xn = buf.data(), *qkv = xn + H, *attn = qkv + nqkv, *gu = attn + nq, *scores = gu + 2 * I;
-  const PagedKV kv{k_cache, v_cache, block_table, bs, nkv, D};
+  buf.resize(B * (H + nqkv + nq + 2 * I + I) + B * nh * max_len);
+  float *xn = buf.data(), *qkv = xn + B * H, *attn = qkv + B * nqkv, *gu = attn + B * nq, *act = gu + B * 2 * I;
+  float* scores = act + B * I;
 
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp single
-    rms_norm(x, in_norm, eps, H, xn);
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < nqkv; ++n) qkv[n] = dot(qkv_w + n * H, xn, H) + (qkv_b ? qkv_b[n] : 0.f);
-#pragma omp single
-    {
-      rotary(qkv, nh + nkv, D, cos, sin);  // q and k heads are adjacent
-      memcpy(k_cache + slot * nk, qkv + nq, nk * sizeof(float));
-      memcpy(v_cache + slot * nk, qkv + nq + nk, nk * sizeof(float));
+    for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, in_norm, eps, H, xn + b * H);
+    linear(B, xn, qkv_w, qkv_b, qkv, nqkv, H, false);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      float* t = qkv + b * nqkv;
+      rotary(t, nh + nkv, D, cos + b * D, sin + b * D);  // q and k heads are adjacent
+      memcpy(k_cache + slots[b] * nk, t + nq, nk * sizeof(float));
+      memcpy(v_cache + slots[b] * nk, t + nq + nk, nk * sizeof(float));
     }
+#pragma omp for collapse(2) schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < nkv; ++j) {
+        const PagedKV kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
+        attend_group(qkv + b * nqkv + j * group * D, D, group, kv, j, lens[b], scale,
+                     scores + (b * nh + j * group) * max_len, attn + b * nq + j * group * D, D);
+      }
+    }
+    linear(B, attn, o_w, nullptr, x, H, nq, true);  // residual add
 #pragma omp for schedule(static)
-    for (int64_t j = 0; j < nkv; ++j)
-      attend_group(qkv + j * group * D, D, group, kv, j, len, scale, scores + j * group * len, attn + j * group * D, D);
+    for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, post_norm, eps, H, xn + b * H);
+    linear(B, xn, gu_w, gu_b, gu, 2 * I, H, false);
 #pragma omp for schedule(static)
-    for (int64_t n = 0; n < H; ++n) x[n] += dot(o_w + n * nq, attn, nq);
-#pragma omp single
-    rms_norm(x, post_norm, eps, H, xn);
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < 2 * I; ++n) gu[n] = dot(gu_w + n * H, xn, H) + (gu_b ? gu_b[n] : 0.f);
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < I; ++i) gu[i] = gu[i] / (1.f + expf(-gu[i])) * gu[I + i];  // silu(gate) * up
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < H; ++n) x[n] += dot(down_w + n * I, gu, I) + (down_b ? down_b[n] : 0.f);
+    for (int64_t i = 0; i < B * I; ++i) {
+      const float g = gu[(i / I) * 2 * I + i % I], u = gu[(i / I) * 2 * I + I + i % I];
+      act[i] = g / (1.f + expf(-g)) * u;  // silu(gate) * up
+    }
+    linear(B, act, down_w, down_b, x, H, I, true);  // residual add
   }
   return 0;
 }

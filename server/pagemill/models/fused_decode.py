@@ -1,14 +1,17 @@
-"""Single-token decode through the compiled whole-layer kernel (cpu_kernels/decode.cpp).
+"""Small-batch decode through the compiled whole-layer kernel (cpu_kernels/decode.cpp).
 
-Why: at batch 1 on the CPU a decode step is a stream over the weights, and
-the ~25 small torch ops per layer around the linears (norms, rotary, KV
+Why: at small batch on the CPU a decode step is a stream over the weights,
+and the ~25 small torch ops per layer around the linears (norms, rotary, KV
 write and gather, SDPA, SiLU, residual adds) cost about as much dispatch
-time as the weights take to read. The kernel runs a layer in one call.
+time as the weights take to read. The kernel runs a layer in one call and
+reads each weight row once for all the batch's rows.
 
 It applies only where it computes exactly what the torch path does: CPU,
 float32 weights, pool and activations, one unsharded process (no
-all-reduce between the halves of a layer), one sequence with one new token
-(not prefill, not speculative verification). Everything else, and
+all-reduce between the halves of a layer), up to FUSED_MAX_BATCH sequences
+with one new token each (not prefill, not speculative verification). Above
+that the linears are compute-bound and oneDNN's GEMM is faster (measured,
+see FUSED_MAX_BATCH). Everything else, and
 `--no-cpu-kernels`, takes the module path. The layer's parameters are read
 through pointers taken at pack time: a model whose parameters are replaced
 afterwards must be packed again (as for packed_linear's copies); the
@@ -26,6 +29,13 @@ from pagemill.attention.metadata import AttentionMetadata
 from pagemill.cpu_kernels import DecodeKernels
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
+
+# Largest batch that takes the kernel (at most DecodeKernels.layer_max_rows).
+# Measured on the default model, 2 threads, idle machine, decode step median
+# fused vs module path (benchmarks/decode_ab.py): batch 1 20.6 vs 27.8 ms,
+# 2: 25.0 vs 52.0, 3: 30.4 vs 47.6, 4: 39.8 vs 52.2, 5: 38.7 vs 44.5,
+# 6: 53.6 vs 51.7, 8: 51.8 vs 44.5 (oneDNN's GEMM wins from 6 rows).
+FUSED_MAX_BATCH = 5
 
 
 class FusedDecoder:
@@ -65,28 +75,31 @@ class FusedDecoder:
         return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> bool:
-        if meta.is_prefill or meta.static or x.shape[0] != 1 or meta.num_seqs != 1 or x.dtype != torch.float32:
+        n = x.shape[0]
+        if meta.is_prefill or meta.static or n != meta.num_seqs or x.dtype != torch.float32:
+            return False
+        if not 1 <= n <= min(FUSED_MAX_BATCH, self._kernels.layer_max_rows):
             return False
         k, v = kv_caches[0]
         return k.dtype == v.dtype == torch.float32 and k.device.type == "cpu" and k.is_contiguous()
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: Sequence[KVCache]) -> torch.Tensor:  # fmt: skip
-        """x [1, hidden] (embedded token) -> hidden states after the last layer, [1, hidden]."""
+        """x [B, hidden] (each sequence's embedded token) -> hidden states after the last layer."""
         x = x.contiguous().clone()  # the kernel updates the residual stream in place
         cos, sin = cos.contiguous(), sin.contiguous()
         block_size = kv_caches[0][0].shape[1]
         dims = self._dims.get(block_size)
         if dims is None:
             dims = self._dims[block_size] = torch.tensor(self._dims_base + [block_size], dtype=torch.int64)
-        table = meta.block_tables.contiguous()
-        length, slot = meta.kv_lens[0], int(meta.slot_mapping[0])
-        threads = torch.get_num_threads()
-        layer = self._kernels.layer
+        tables = meta.block_tables.to(torch.int32).contiguous()
+        lens = meta.context_lens.to(torch.int32).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        layer, b = self._kernels.layer, x.shape[0]
         args = (dims.data_ptr(), self._eps, self._scale, cos.data_ptr(), sin.data_ptr())
+        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), torch.get_num_threads())
         for ptrs, (k, v) in zip(self._tables, kv_caches, strict=True):
-            rc = layer(x.data_ptr(), ptrs.data_ptr(), *args, k.data_ptr(), v.data_ptr(), table.data_ptr(), length,
-                       slot, threads)  # fmt: skip
+            rc = layer(x.data_ptr(), b, ptrs.data_ptr(), *args, k.data_ptr(), v.data_ptr(), *rest)
             if rc != 0:
                 raise ValueError(f"fused decode layer rejected its shapes (rc={rc})")
         return x
