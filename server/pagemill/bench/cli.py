@@ -152,6 +152,9 @@ def _bound(a: argparse.Namespace) -> dict:
 
 
 def _sweep(a: argparse.Namespace) -> dict:
+    from dataclasses import asdict
+
+    from pagemill.bench.roofline import measure_machine
     from pagemill.bench.sweep import as_dicts, run_sweep, sweep_table
     from pagemill.cli import parse_bytes
     from pagemill.config import ShardConfig
@@ -159,7 +162,10 @@ def _sweep(a: argparse.Namespace) -> dict:
 
     cfg = ShardConfig(model_dir=resolve_model_dir(a.model_dir), uds_path="", kv_cache_memory=parse_bytes(a.kv_cache_memory))
     runner = ModelRunner.from_shard_config(cfg)
-    points = run_sweep(runner, a.batch_sizes, a.input_len, a.steps, a.repeats,
+    machine = measure_machine()  # same run, same load: the floors below are this moment's
+    points = run_sweep(runner, a.batch_sizes, a.input_len, a.steps, a.repeats, machine=machine,
                        progress=lambda p: print(f"batch {p.batch_size}: decode {p.decode_ms:.1f} ms", file=sys.stderr))  # fmt: skip
+    print(f"machine: {machine.bandwidth_gbs:.1f} GB/s, {machine.matmul_gflops:.0f} GFLOP/s float32 mm, "
+          f"{machine.threads} threads")  # fmt: skip
     print(sweep_table(points))
-    return {"input_len": a.input_len, "steps": a.steps, "sweep": as_dicts(points)}
+    return {"input_len": a.input_len, "steps": a.steps, "machine": asdict(machine), "sweep": as_dicts(points)}

@@ -5,7 +5,10 @@ For each batch size B: one prefill of B prompts of input_len tokens, then
 tokens/s, decode step latency (median over steps) and tokens/s, and the
 shard's own Python bookkeeping per decode step (runner.decode wall time
 minus the forward_ns it reports: slot checks, input tensors, Generation
-messages), which is part of what the router sees as step time.
+messages), which is part of what the router sees as step time. Given the
+machine measured in the same run (bench/roofline.py), each decode step is
+also shown against its floor at that batch and mean context, with the term
+that binds.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import asdict, dataclass
 
+from pagemill.bench.roofline import Machine, decode_floor
 from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
 from pagemill.shard.engine import ModelRunner
 
@@ -28,10 +32,13 @@ class SweepPoint:
     decode_tok_s: float
     shard_overhead_ms: float  # decode_wall_ms - decode_ms
     decode_min_ms: float
+    floor_ms: float | None = None  # roofline floor of the step (None: no machine measured)
+    x_floor: float | None = None  # decode_ms / floor_ms
+    binds: str | None = None  # "memory" or "compute"
 
 
 def run_sweep(runner: ModelRunner, batch_sizes: list[int], input_len: int, steps: int,
-              repeats: int = 1, progress=None) -> list[SweepPoint]:  # fmt: skip
+              repeats: int = 1, progress=None, machine: Machine | None = None) -> list[SweepPoint]:  # fmt: skip
     warm_runner(runner, max_batch_size=max(batch_sizes), max_prefill_tokens=max(batch_sizes) * input_len,
                 max_input=input_len + steps + 1)  # fmt: skip
     driver = ShardDriver(runner)
@@ -49,10 +56,12 @@ def run_sweep(runner: ModelRunner, batch_sizes: list[int], input_len: int, steps
             for r in list(batch.requests):
                 driver.release(r.id)
         pre, dec, dwall = statistics.median(prefills), statistics.median(fwd), statistics.median(wall)
+        floor = None if machine is None else decode_floor(runner.config, machine, b, input_len + (steps + 1) // 2)
         points.append(SweepPoint(
             batch_size=b, input_len=input_len, prefill_ms=pre, prefill_tok_s=b * input_len / pre * 1e3,
             decode_ms=dec, decode_wall_ms=dwall, decode_tok_s=b / dwall * 1e3, shard_overhead_ms=dwall - dec,
-            decode_min_ms=min(fwd),
+            decode_min_ms=min(fwd), floor_ms=floor and floor.floor_ms, x_floor=floor and dec / floor.floor_ms,
+            binds=floor and floor.binds,
         ))  # fmt: skip
         if progress is not None:
             progress(points[-1])
@@ -60,11 +69,13 @@ def run_sweep(runner: ModelRunner, batch_sizes: list[int], input_len: int, steps
 
 
 def sweep_table(points: list[SweepPoint]) -> str:
-    rows = ["| batch | prefill ms | prefill tok/s | decode ms (median) | decode tok/s | shard overhead ms |",
-            "| ---: | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
+    rows = ["| batch | prefill ms | prefill tok/s | decode ms (median) | decode tok/s | shard overhead ms "
+            "| floor ms | x floor | binds |",
+            "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
     for p in points:
+        floor = "| - | - | - |" if p.floor_ms is None else f"| {p.floor_ms:.1f} | {p.x_floor:.2f} | {p.binds} |"
         rows.append(f"| {p.batch_size} | {p.prefill_ms:.1f} | {p.prefill_tok_s:.0f} | {p.decode_ms:.1f} | "
-                    f"{p.decode_tok_s:.1f} | {p.shard_overhead_ms:.2f} |")  # fmt: skip
+                    f"{p.decode_tok_s:.1f} | {p.shard_overhead_ms:.2f} {floor}")  # fmt: skip
     return "\n".join(rows)
 
 

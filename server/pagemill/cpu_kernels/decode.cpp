@@ -138,32 +138,35 @@ int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_
 
   // Scratch shared by the threads of the region below; kept between calls.
   static thread_local std::vector<float> buf;
-  buf.resize(B * (H + nqkv + nq + 2 * I + I) + B * nh * max_len);
-  float *xn = buf.data(), *qkv = xn + B * H, *attn = qkv + B * nqkv, *gu = attn + B * nq, *act = gu + B * 2 * I;
+  buf.resize(B * (nqkv + nq + 2 * I + I) + B * nh * max_len);
+  float *qkv = buf.data(), *attn = qkv + B * nqkv, *gu = attn + B * nq, *act = gu + B * 2 * I;
   float* scores = act + B * I;
 
+  // Five barriers per layer (the ends of the linears and of attention): each
+  // thread normalises x into its own buffer instead of one thread doing it
+  // behind a barrier, and rotary + KV write run per kv head with attention.
 #pragma omp parallel num_threads(threads)
   {
-#pragma omp for schedule(static)
+    static thread_local std::vector<float> own;  // this thread's normalised x [B, H]
+    own.resize(B * H);
+    float* xn = own.data();
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, in_norm, eps, H, xn + b * H);
     linear(B, xn, qkv_w, qkv_b, qkv, nqkv, H, false);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) {
-      float* t = qkv + b * nqkv;
-      rotary(t, nh + nkv, D, cos + b * D, sin + b * D);  // q and k heads are adjacent
-      memcpy(k_cache + slots[b] * nk, t + nq, nk * sizeof(float));
-      memcpy(v_cache + slots[b] * nk, t + nq + nk, nk * sizeof(float));
-    }
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t j = 0; j < nkv; ++j) {
+        float* t = qkv + b * nqkv;
+        float *q = t + j * group * D, *k = t + nq + j * D, *v = t + nq + nk + j * D;
+        rotary(q, group, D, cos + b * D, sin + b * D);
+        rotary(k, 1, D, cos + b * D, sin + b * D);
+        memcpy(k_cache + slots[b] * nk + j * D, k, D * sizeof(float));
+        memcpy(v_cache + slots[b] * nk + j * D, v, D * sizeof(float));
         const PagedKV kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
-        attend_group(qkv + b * nqkv + j * group * D, D, group, kv, j, lens[b], scale,
-                     scores + (b * nh + j * group) * max_len, attn + b * nq + j * group * D, D);
+        attend_group(q, D, group, kv, j, lens[b], scale, scores + (b * nh + j * group) * max_len,
+                     attn + b * nq + j * group * D, D);
       }
     }
     linear(B, attn, o_w, nullptr, x, H, nq, true);  // residual add
-#pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, post_norm, eps, H, xn + b * H);
     linear(B, xn, gu_w, gu_b, gu, 2 * I, H, false);
 #pragma omp for schedule(static)
