@@ -30,6 +30,6 @@ class ShardConfig:
     # Decode steps replay CUDA graphs captured at warmup (shard/cuda_graphs.py); ignored on CPU
     # and with speculate > 0.
     cuda_graphs: bool = True
-    # Single-row CPU float32 linears through the compiled matvec (cpu_kernels/).
+    # Compiled float32 CPU decode kernels (cpu_kernels/, docs/cpu.md).
     cpu_kernels: bool = True
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 | fp8_e5m2 (attention/kv_dtype.py)

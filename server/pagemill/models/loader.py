@@ -59,7 +59,7 @@ def load_model(
     cpu_kernels: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """group: this rank's tensor-parallel group; the rank then reads only its slices.
-    cpu_kernels: use the compiled CPU matvec for single-row decode linears."""
+    cpu_kernels: use the compiled CPU decode kernels (matvec, fused small-batch decode; docs/cpu.md)."""
     config = ModelConfig.from_model_dir(model_dir)
     dtype, device = parse_dtype(dtype), torch.device(device)
     # Build on the meta device: no time spent on random init we would overwrite.

@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import stat
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import torch
@@ -14,7 +15,7 @@ import torch
 from pagemill.config import ShardConfig
 from pagemill.parallel.group import ParallelConfig, ParallelGroup, rank_device
 from pagemill.shard.engine import ModelRunner
-from pagemill.shard.service import ShardService
+from pagemill.shard.service import ShardService, new_model_thread
 
 log = logging.getLogger("pagemill.shard")
 
@@ -28,8 +29,6 @@ def serve(config: ShardConfig) -> None:
     """Blocks until SIGTERM/SIGINT, then stops the server and removes the socket."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if config.num_threads > 0:
-        torch.set_num_threads(config.num_threads)
     # Rendezvous first (cheap), then load: every rank loads only its slices.
     group = ParallelGroup.init(
         ParallelConfig(
@@ -38,15 +37,26 @@ def serve(config: ShardConfig) -> None:
         ),
         rank_device(config.device, config.rank, config.world_size, config.local_rank),
     )  # fmt: skip
+    model_thread = new_model_thread()
     try:
-        runner = ModelRunner.from_shard_config(config, group)
-        asyncio.run(serve_runner(runner, config.uds_path))
+        runner = model_thread.submit(_load, config, group).result()
+        asyncio.run(serve_runner(runner, config.uds_path, model_thread=model_thread))
     finally:
         group.destroy()
+        model_thread.shutdown()
 
 
-async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event | None = None) -> None:
-    """Serves `runner` on unix://uds_path until `stop` is set (or a signal arrives)."""
+def _load(config: ShardConfig, group: ParallelGroup) -> ModelRunner:
+    """Runs on the model thread (service.new_model_thread says why)."""
+    if config.num_threads > 0:
+        torch.set_num_threads(config.num_threads)
+    return ModelRunner.from_shard_config(config, group)
+
+
+async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event | None = None,
+                       model_thread: ThreadPoolExecutor | None = None) -> None:  # fmt: skip
+    """Serves `runner` on unix://uds_path until `stop` is set (or a signal arrives).
+    model_thread: the thread that loaded `runner` (a new one if None)."""
     if len(os.fsencode(uds_path)) > MAX_UDS_PATH:
         raise ValueError(f"unix socket path is longer than {MAX_UDS_PATH} bytes: {uds_path}")
     _remove_stale_socket(uds_path)
@@ -56,7 +66,7 @@ async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event |
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ]
     )
-    server.add_generic_rpc_handlers((ShardService(runner).generic_handler(),))
+    server.add_generic_rpc_handlers((ShardService(runner, model_thread).generic_handler(),))
     server.add_insecure_port(f"unix://{uds_path}")
     await server.start()
 

@@ -17,8 +17,10 @@ Semantics the router relies on:
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -30,11 +32,31 @@ from pagemill.shard.errors import ShardError
 log = logging.getLogger(__name__)
 
 
+def new_model_thread() -> ThreadPoolExecutor:
+    """The one thread a shard runs its model on: loading, warmup and every step.
+
+    Why one, and the same one that loaded the model: on the CPU each thread
+    that runs torch ops becomes the master of its own OpenMP team, and a
+    second team slows every parallel region of the first (measured: a
+    [1, 49152] logsumexp 45 us on the loading thread, 250-300 us on another
+    thread once the loading thread had a team). With asyncio.to_thread
+    consecutive steps also alternated between two pool threads, so four
+    threads were busy on two cores: batch-1 decode took 26 ms per step in the
+    server against 18.6 ms in the shard sweep.
+    """
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="pagemill-model")
+
+
 class ShardService:
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, runner: ModelRunner, model_thread: ThreadPoolExecutor | None = None) -> None:
         self.runner = runner
         self.batches: dict[int, ShardBatch] = {}
         self.lock = asyncio.Lock()
+        # Every model call runs on this one thread (see model_thread()).
+        self.model_thread = model_thread or new_model_thread()
+
+    async def _on_model_thread(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.model_thread, functools.partial(fn, *args))
 
     # --- RPCs ------------------------------------------------------------------------
 
@@ -42,13 +64,13 @@ class ShardService:
         return self.runner.info()
 
     async def Health(self, request, context):
-        await asyncio.to_thread(self.runner.health)
+        await self._on_model_thread(self.runner.health)
         return pb.HealthResponse()
 
     async def Warmup(self, request, context):
         async with self.lock:
             self.batches.clear()  # their KV lived in the pool being replaced
-            return await asyncio.to_thread(self.runner.warmup, request)
+            return await self._on_model_thread(self.runner.warmup, request)
 
     async def Prefill(self, request, context):
         start = time.perf_counter_ns()
@@ -56,7 +78,7 @@ class ShardService:
             if request.batch.id in self.batches:
                 raise ShardError(grpc.StatusCode.ALREADY_EXISTS, f"batch {request.batch.id} is already cached")
             batch = self.runner.new_batch(request.batch)
-            result = await asyncio.to_thread(self.runner.prefill, batch)
+            result = await self._on_model_thread(self.runner.prefill, batch)
             if batch.requests:
                 self.batches[batch.id] = batch
             return pb.PrefillResponse(
@@ -84,7 +106,7 @@ class ShardService:
                         f"shard holds {sorted(r.id for r in batch.requests)}",
                     )
             merged = ShardBatch.concatenate([self.batches[i] for i in ids])
-            result = await asyncio.to_thread(self.runner.decode, merged, request.slots)
+            result = await self._on_model_thread(self.runner.decode, merged, request.slots)
             for i in ids:
                 del self.batches[i]
             if merged.requests:
