@@ -62,7 +62,7 @@ def tiny_model_dir(tmp_path_factory, default_model_dir) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32768,
                       bos_token_id=1, eos_token_id=2, tie_word_embeddings=True)
     LlamaForCausalLM(cfg).save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):

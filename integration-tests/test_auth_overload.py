@@ -9,7 +9,7 @@ import openai
 import pytest
 
 import pagemill_client
-from server import launch
+from server import HOLD_ARGS, HOLD_TOKENS, launch
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -22,7 +22,7 @@ def locked(tiny_model_dir, tmp_path_factory):
         shutil.copy(f, model / f.name)
     (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content ")
     s = launch(str(model), "--kv-cache-memory", "64MiB", "--api-key", KEY, "--max-concurrent-requests", "2",
-               "--max-total-tokens", "2048", "--max-input-tokens", "1024")
+               *HOLD_ARGS, "--max-input-tokens", "1024")
     yield s
     s.stop()
 
@@ -101,7 +101,7 @@ def test_overload_beyond_max_concurrent_requests_is_429(locked):
 
 
 def test_sdk_and_openai_raise_overloaded(locked):
-    long = {"inputs": "hello", "parameters": {"max_new_tokens": 1500, "ignore_eos_token": True}}
+    long = {"inputs": "hello", "parameters": {"max_new_tokens": HOLD_TOKENS, "ignore_eos_token": True}}
     with httpx.Client(timeout=300) as http:
         streams = [http.stream("POST", f"{locked.url}/generate_stream", json=long, headers=AUTH) for _ in range(2)]
         opened = [s.__enter__() for s in streams]

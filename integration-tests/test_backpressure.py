@@ -10,9 +10,9 @@ import httpx
 import pytest
 
 from reliability import wait_idle
-from server import launch
+from server import HOLD_ARGS, HOLD_TOKENS, launch
 
-LONG = {"inputs": "hold the batch", "parameters": {"max_new_tokens": 1500, "ignore_eos_token": True}}
+LONG = {"inputs": "hold the batch", "parameters": {"max_new_tokens": HOLD_TOKENS, "ignore_eos_token": True}}
 WAIT_MS = 1500
 SHORT = {"inputs": "wait for me", "parameters": {"max_new_tokens": 5, "ignore_eos_token": True}}
 
@@ -20,7 +20,7 @@ SHORT = {"inputs": "wait for me", "parameters": {"max_new_tokens": 5, "ignore_eo
 @pytest.fixture(scope="module")
 def one_slot(tiny_model_dir):
     # One sequence per batch: a second request must wait in the queue.
-    s = launch(str(tiny_model_dir), "--kv-cache-memory", "64MiB", "--max-batch-size", "1",
+    s = launch(str(tiny_model_dir), "--kv-cache-memory", "64MiB", *HOLD_ARGS, "--max-batch-size", "1",
                "--max-concurrent-requests", "3", "--max-queue-wait-ms", str(WAIT_MS))
     yield s
     s.stop()

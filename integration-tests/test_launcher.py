@@ -8,7 +8,7 @@ import time
 import httpx
 import psutil
 
-from server import launch, sse_events
+from server import HOLD_ARGS, HOLD_TOKENS, launch, sse_events
 
 
 def shard_pids(server) -> list[int]:
@@ -28,10 +28,10 @@ def test_sigterm_stops_every_child(tiny_model_dir):
 
 
 def test_shard_death_fails_requests_and_exits_nonzero(tiny_model_dir):
-    s = launch(str(tiny_model_dir), "--kv-cache-memory", "64MiB")
+    s = launch(str(tiny_model_dir), "--kv-cache-memory", "64MiB", *HOLD_ARGS)
     pids = shard_pids(s)
     assert pids
-    body = {"inputs": "hello there", "parameters": {"max_new_tokens": 2000, "ignore_eos_token": True}}
+    body = {"inputs": "hello there", "parameters": {"max_new_tokens": HOLD_TOKENS, "ignore_eos_token": True}}
     with cf.ThreadPoolExecutor(1) as pool:
         def stream():
             with httpx.stream("POST", f"{s.url}/generate_stream", json=body, timeout=60) as r:

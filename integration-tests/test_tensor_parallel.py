@@ -13,7 +13,7 @@ import time
 import httpx
 import psutil
 
-from server import launch, sse_events
+from server import HOLD_ARGS, HOLD_TOKENS, launch, sse_events
 
 PROMPTS = [
     "The capital of France is",
@@ -66,11 +66,11 @@ def test_two_shards_match_one_shard(default_model_dir):
 def test_losing_a_nonzero_rank_fails_the_request(tiny_model_dir):
     """Rank 1 dies mid-stream: rank 0 is stuck in a collective, the router must still
     end the stream with an error and the launcher must exit."""
-    s = launch(str(tiny_model_dir), "--num-shard", "2", "--kv-cache-memory", "64MiB")
+    s = launch(str(tiny_model_dir), "--num-shard", "2", "--kv-cache-memory", "64MiB", *HOLD_ARGS)
     kids = psutil.Process(s.proc.pid).children(recursive=True)
     rank1 = [k.pid for k in kids if "--rank 1" in " ".join(k.cmdline())]
     assert len(rank1) == 1
-    body = {"inputs": "hello there", "parameters": {"max_new_tokens": 2000, "ignore_eos_token": True}}
+    body = {"inputs": "hello there", "parameters": {"max_new_tokens": HOLD_TOKENS, "ignore_eos_token": True}}
     with cf.ThreadPoolExecutor(1) as pool:
         def stream():
             with httpx.stream("POST", f"{s.url}/generate_stream", json=body, timeout=120) as r:

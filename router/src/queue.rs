@@ -33,23 +33,23 @@ impl Entry {
     }
 
     /// Whether a queued entry stays in the queue at `now`: not when its client
-    /// went away, nor when it waited past its deadline (then the client is
-    /// told why). `resumed` entries (preempted after streaming tokens) never
-    /// time out: their client already has part of the answer.
+    /// went away, nor when it waited past its deadline.
     pub fn still_waiting(&self, now: Instant, resumed: bool) -> bool {
-        if self.is_cancelled() {
-            return false;
-        }
-        match self.queue_deadline {
-            Some(deadline) if !resumed && now >= deadline => {
-                let waited = now.saturating_duration_since(self.queued_at).as_millis();
-                let _ = self.response_tx.send(Err(RouterError::QueueTimeout(format!(
-                    "waited {waited} ms in the queue without being scheduled"
-                ))));
-                false
-            }
-            _ => true,
-        }
+        !self.is_cancelled() && !self.overdue(now, resumed)
+    }
+
+    /// Waited past its deadline. `resumed` entries (preempted after streaming
+    /// tokens) never time out: their client already has part of the answer.
+    pub fn overdue(&self, now: Instant, resumed: bool) -> bool {
+        matches!(self.queue_deadline, Some(deadline) if !resumed && now >= deadline)
+    }
+
+    /// Tells the client of an overdue entry why it was dropped.
+    pub fn answer_queue_timeout(&self, now: Instant) {
+        let waited = now.saturating_duration_since(self.queued_at).as_millis();
+        let _ = self.response_tx.send(Err(RouterError::QueueTimeout(format!(
+            "waited {waited} ms in the queue without being scheduled"
+        ))));
     }
 }
 
@@ -107,7 +107,10 @@ mod tests {
     fn an_overdue_entry_leaves_with_a_queue_timeout() {
         let now = Instant::now();
         let (e, mut rx) = entry(Some(now));
-        assert!(!e.still_waiting(now + Duration::from_millis(1), false));
+        let later = now + Duration::from_millis(1);
+        assert!(!e.still_waiting(later, false) && e.overdue(later, false));
+        assert!(rx.try_recv().is_err(), "leaving the queue and answering are separate steps");
+        e.answer_queue_timeout(later);
         let err = rx.try_recv().unwrap().unwrap_err();
         assert_eq!(err.error_type(), "queue_timeout");
         assert_eq!(err.status(), axum::http::StatusCode::TOO_MANY_REQUESTS);

@@ -125,14 +125,29 @@ impl Scheduler {
             while let Ok(e) = self.rx.try_recv() {
                 self.enqueue(e);
             }
-            // Cancelled and queue-timed-out entries leave before admission;
-            // they never held blocks.
-            let now = Instant::now();
-            self.queue.retain(|s| s.entry.still_waiting(now, s.preemptions > 0));
+            self.drop_leaving_entries();
             if let Err(err) = self.step().await {
                 self.fail_all(err).await;
             }
             self.publish();
+        }
+    }
+
+    /// Cancelled and queue-timed-out entries leave before admission (they
+    /// never held blocks). `/info` shows them gone before a timed-out client
+    /// hears why, so a client that asks next sees the queue it left.
+    fn drop_leaving_entries(&mut self) {
+        let now = Instant::now();
+        let before = self.queue.len();
+        let (waiting, leaving): (VecDeque<_>, VecDeque<_>) =
+            self.queue.drain(..).partition(|s| s.entry.still_waiting(now, s.preemptions > 0));
+        self.queue = waiting;
+        if self.queue.len() == before {
+            return;
+        }
+        self.publish();
+        for s in leaving.iter().filter(|s| s.entry.overdue(now, s.preemptions > 0)) {
+            s.entry.answer_queue_timeout(now);
         }
     }
 
