@@ -138,13 +138,13 @@ impl Scheduler {
     /// hears why, so a client that asks next sees the queue it left.
     fn drop_leaving_entries(&mut self) {
         let now = Instant::now();
-        let before = self.queue.len();
+        // Runs every step: nothing is moved unless someone leaves.
+        if self.queue.iter().all(|s| s.entry.still_waiting(now, s.preemptions > 0)) {
+            return;
+        }
         let (waiting, leaving): (VecDeque<_>, VecDeque<_>) =
             self.queue.drain(..).partition(|s| s.entry.still_waiting(now, s.preemptions > 0));
         self.queue = waiting;
-        if self.queue.len() == before {
-            return;
-        }
         self.publish();
         for s in leaving.iter().filter(|s| s.entry.overdue(now, s.preemptions > 0)) {
             s.entry.answer_queue_timeout(now);
