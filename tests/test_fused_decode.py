@@ -100,9 +100,12 @@ def test_fused_path_is_skipped_where_it_does_not_apply(llama_dir):
     assert not fused.applies(torch.zeros(n, config.hidden_size), meta(n=n), caches)
     fp8 = [tuple(c.to(torch.float8_e4m3fn) for c in caches[0])]
     assert not fused.applies(x, meta(), fp8)
-    # --no-cpu-kernels and non-float32 models never build it.
+    # --no-cpu-kernels and float16 models never build it; a bf16 one takes only a bf16 pool.
     assert load_model(llama_dir, "float32", "cpu", cpu_kernels=False)[0].model.fused is None
-    assert load_model(llama_dir, "bfloat16", "cpu")[0].model.fused is None
+    assert load_model(llama_dir, "float16", "cpu")[0].model.fused is None
+    bf16 = load_model(llama_dir, "bfloat16", "cpu")[0].model.fused
+    assert bf16.applies(x.bfloat16(), meta(), [tuple(c.bfloat16() for c in caches[0])])
+    assert not bf16.applies(x.bfloat16(), meta(), caches)
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (4, 4, 32, 8),

@@ -21,11 +21,11 @@ REL_TOL = 1e-4
 
 
 class PagedHarness:
-    def __init__(self, model, config: ModelConfig, num_blocks: int = 96, seed: int = 0) -> None:
+    def __init__(self, model, config: ModelConfig, num_blocks: int = 96, seed: int = 0,
+                 dtype: torch.dtype = torch.float32) -> None:  # fmt: skip
+        """dtype: the KV pool's (the server makes it the model's)."""
         self.model = model
-        self.pool = KVPool.with_blocks(
-            config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=torch.float32, device="cpu"
-        )
+        self.pool = KVPool.with_blocks(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, device="cpu")
         self.free = list(range(1, num_blocks))  # block 0 is scratch
         random.Random(seed).shuffle(self.free)  # non-contiguous, out-of-order tables
         self.tables: dict[int, list[int]] = {}

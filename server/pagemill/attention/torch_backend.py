@@ -8,8 +8,8 @@ h // (heads // kv_heads), as HF's repeat_kv does: prefill through SDPA's
 enable_gqa, decode by folding each kv head's query heads into query rows.
 
 Given the compiled CPU kernels (`--cpu-kernels`, the default; see
-cpu_kernels/decode.cpp), float32 decode on the CPU reads the paged cache in
-place instead of gathering it; `TorchAttentionBackend()` alone is the pure
+cpu_kernels/decode.cpp), float32 and bfloat16 decode on the CPU reads the
+paged cache in place instead of gathering it; `TorchAttentionBackend()` alone is the pure
 torch reference the tests compare against.
 """
 
@@ -85,7 +85,8 @@ class TorchAttentionBackend:
 def _kernel_applies(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
     return (
         q.device.type == "cpu"
-        and q.dtype == k_cache.dtype == v_cache.dtype == torch.float32
+        and q.dtype == k_cache.dtype == v_cache.dtype
+        and q.dtype in (torch.float32, torch.bfloat16)
         and q.stride(2) == 1
         and q.stride(1) == q.shape[2]
         and k_cache.is_contiguous()

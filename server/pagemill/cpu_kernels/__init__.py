@@ -1,8 +1,11 @@
 """Small C++ kernels for the CPU decode hot path, compiled on first use.
 
-- matvec.cpp: the float32 matrix-vector product of single-row linears.
+- matvec.cpp: the matrix-vector product of single-row linears.
 - decode.cpp: a whole decoder layer for one token, and paged attention for a
   batch of single-token queries (each file says why).
+
+Each in float32 and bfloat16 (bf16_rows.h: AVX512-BF16 dot products where the
+CPU has them, else widened to float32; a scalar fallback without AVX-512).
 
 They form one library, built once per machine with the system C++ compiler (`$CXX`, else
 g++/c++) and `-march=native`, cached under `$PAGEMILL_KERNEL_CACHE`
@@ -10,6 +13,8 @@ g++/c++) and `-march=native`, cached under `$PAGEMILL_KERNEL_CACHE`
 torch headers, so the build takes about a second. When no compiler is found
 or the build fails, `matvec_kernel()` / `decode_kernels()` return None (logged once) and
 callers keep torch's own ops. `pagemill launch --no-cpu-kernels` turns it off.
+`build_library(extra_flags)` builds a variant (the tests build one with the
+AVX-512 paths compiled out to check the fallback).
 """
 
 from __future__ import annotations
@@ -31,28 +36,39 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp"]
-_HEADERS = [_DIR / "vec.h"]
+_HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+# How the bf16 kernels multiply (bf16_rows.h's Bf16Mul); AUTO: the measured default.
+BF16_MUL = {"auto": -1, "dpbf16": 0, "widen": 1}
+
+
 class MatvecKernel:
-    """y = x @ w.T (+ bias) for 1..max_rows rows of float32, through the compiled library."""
+    """y = x @ w.T (+ bias) for 1..max_rows rows of float32 or bfloat16 (x, weight and
+    bias of one dtype), through the compiled library."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.pagemill_matvec
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        self._bf16 = lib.pagemill_matvec_bf16
+        self._bf16.restype = ctypes.c_int
+        self._bf16.argtypes = self._fn.argtypes + [ctypes.c_int]
         self.max_rows = int(lib.pagemill_matvec_max_rows())
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] contiguous float32 CPU, weight [N, K] contiguous, bias [N] or None."""
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 mul: str = "auto") -> torch.Tensor:  # fmt: skip
+        """x [M, K] contiguous float32 or bfloat16 CPU, weight [N, K] contiguous, bias [N] or None.
+        mul: bf16 only, how to multiply (BF16_MUL; benchmarks compare them)."""
         m, k = x.shape
         n = weight.shape[0]
-        y = torch.empty((m, n), dtype=torch.float32)
-        rc = self._fn(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(),
-                      m, n, k, torch.get_num_threads())  # fmt: skip
+        y = torch.empty((m, n), dtype=x.dtype)
+        args = (x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(), y.data_ptr(), m, n, k,
+                torch.get_num_threads())  # fmt: skip
+        rc = self._bf16(*args, BF16_MUL[mul]) if x.dtype == torch.bfloat16 else self._fn(*args)
         if rc != 0:
             raise ValueError(f"matvec kernel takes 1..{self.max_rows} rows, got {m}")
         return y
@@ -67,21 +83,29 @@ class DecodeKernels:
         self.layer = lib.pagemill_decode_layer
         self.layer.restype = ctypes.c_int
         self.layer.argtypes = [vp, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp, ctypes.c_int]
+        self.layer_bf16 = lib.pagemill_decode_layer_bf16
+        self.layer_bf16.restype = ctypes.c_int
+        self.layer_bf16.argtypes = self.layer.argtypes + [ctypes.c_int]
         self.layer_ptrs = int(lib.pagemill_decode_layer_ptrs())
         self.layer_dims = int(lib.pagemill_decode_layer_dims())
         self.layer_max_rows = int(lib.pagemill_decode_layer_max_rows())
         self.attention = lib.pagemill_paged_attention
         self.attention.restype = ctypes.c_int
         self.attention.argtypes = [vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [f32, ctypes.c_int]
+        self.attention_bf16 = lib.pagemill_paged_attention_bf16
+        self.attention_bf16.restype = ctypes.c_int
+        self.attention_bf16.argtypes = self.attention.argtypes
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
-        """q [B, heads, head_dim] float32 (heads contiguous), caches [blocks, block_size, kv_heads, head_dim]
-        float32 contiguous, block_tables [B, W] / context_lens [B] int32 contiguous -> [B, heads, head_dim]."""
+        """q [B, heads, head_dim] float32 or bfloat16 (heads contiguous), caches [blocks, block_size,
+        kv_heads, head_dim] of q's dtype, contiguous, block_tables [B, W] / context_lens [B] int32
+        contiguous -> [B, heads, head_dim] of q's dtype (float32 arithmetic either way)."""
         b, heads, d = q.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
-        out = torch.empty((b, heads, d), dtype=torch.float32)
-        rc = self.attention(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+        out = torch.empty((b, heads, d), dtype=q.dtype)
+        fn = self.attention_bf16 if q.dtype == torch.bfloat16 else self.attention
+        rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                             block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
                             b, heads, kv_heads, d, block_size, scale, torch.get_num_threads())  # fmt: skip
         if rc != 0:
@@ -101,6 +125,12 @@ def decode_kernels() -> DecodeKernels | None:
     return None if lib is None else _wrapper("decode", DecodeKernels, lib)
 
 
+def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """A library built with `extra_flags` after the usual ones (e.g. ("-mno-avx512f",) to
+    compile the AVX-512 paths out), not shared with matvec_kernel()/decode_kernels()."""
+    return _load(tuple(extra_flags))
+
+
 def _wrapper(name: str, cls, lib: ctypes.CDLL):
     with _lock:
         if name not in _state:
@@ -115,7 +145,7 @@ def _library() -> ctypes.CDLL | None:
         return _state["lib"]  # type: ignore[return-value]
 
 
-def _load() -> ctypes.CDLL | None:
+def _load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None  # the build line and the OpenMP sharing below are only checked there
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -123,7 +153,7 @@ def _load() -> ctypes.CDLL | None:
         log.info("cpu kernels: no C++ compiler found; using torch's ops for decode")
         return None
     try:
-        path = _build(cxx)
+        path = _build(cxx, [*_FLAGS, *extra_flags])
         # torch is imported, so its libgomp.so.1 is loaded: the library's
         # NEEDED libgomp.so.1 resolves to it and the two share one pool.
         return ctypes.CDLL(str(path))
@@ -132,10 +162,10 @@ def _load() -> ctypes.CDLL | None:
         return None
 
 
-def _build(cxx: str) -> Path:
+def _build(cxx: str, flags: list[str]) -> Path:
     source = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
     # -march=native: the binary is only valid for this CPU, so its flags are part of the key.
-    key = hashlib.sha256(source + " ".join([cxx, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cxx, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEMILL_KERNEL_CACHE") or Path.home() / ".cache" / "pagemill" / "kernels")
     path = cache / f"cpu-kernels-{key}.so"
     if path.exists():
@@ -145,7 +175,7 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *_FLAGS, f"-I{_DIR}", *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([cxx, *flags, f"-I{_DIR}", *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

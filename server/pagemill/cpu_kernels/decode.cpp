@@ -1,6 +1,6 @@
-// Decode on the CPU, float32: one whole Llama decoder layer for a few
-// sequences of one token each, and paged attention for a batch of
-// single-token queries.
+// Decode on the CPU, float32 or bfloat16 weights and KV pool: one whole
+// Llama decoder layer for a few sequences of one token each, and paged
+// attention for a batch of single-token queries.
 //
 // Why: at batch 1 a decode step should cost one stream over the weights
 // (~17 ms for the default model at ~32 GB/s), but each layer also ran ~25
@@ -16,25 +16,38 @@
 // The arithmetic follows the torch path (models/layers.py): RMSNorm as
 // w * (x * rsqrt(mean(x^2) + eps)), rotary in HF's rotate_half layout with
 // the caller's cos/sin row, softmax in float32. Results agree to rounding.
+//
+// bfloat16: weights, norms, biases and the KV pool are read as bf16 and
+// widened (or multiplied with vdpbf16ps, bf16_rows.h); everything else in
+// the layer, the residual stream included, stays float32. That is at least
+// as accurate as torch's bf16 modules (which round every intermediate to
+// bf16) and costs nothing: the layer's traffic is the weights.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include <type_traits>
 #include <vector>
 
+#include "bf16_rows.h"
 #include "vec.h"
 
 namespace {
 
 using pagemill::attend_group;
+using pagemill::bf16;
+using pagemill::Bf16Mul;
 using pagemill::dot;
+using pagemill::from_float;
 using pagemill::PagedKV;
+using pagemill::to_float;
 
-void rms_norm(const float* x, const float* w, float eps, int64_t H, float* out) {
+template <typename T>
+void rms_norm(const float* x, const T* w, float eps, int64_t H, float* out) {
   float ss = 0.f;
   for (int64_t h = 0; h < H; ++h) ss += x[h] * x[h];
   const float r = 1.f / sqrtf(ss / (float)H + eps);
-  for (int64_t h = 0; h < H; ++h) out[h] = w[h] * (x[h] * r);
+  for (int64_t h = 0; h < H; ++h) out[h] = to_float(w[h]) * (x[h] * r);
 }
 
 // x [heads, D] in place: x * cos + rotate_half(x) * sin.
@@ -72,22 +85,47 @@ inline void rows_dot(const float* x, const float* w, int64_t K, float* out) {
 #endif
 }
 
+// Float activations as the linears over T weights read them: as they are
+// for float32; for bf16, each thread's own copy in bf16_rows.h's layout
+// (no barrier needed: x is complete when a linear starts).
+struct Rows {
+  const float* x;
+  void* scratch;  // this thread's, pagemill::prepared_bytes(M, K) or more
+  Bf16Mul mul;
+};
+
+template <int M>
+inline void weight_dot(const Rows& x, const float* w, int64_t K, float* r) {
+  rows_dot<M>(x.x, w, K, r);
+}
+template <int M>
+inline void weight_dot(const pagemill::Bf16Rows& x, const bf16* w, int64_t K, float* r) {
+  pagemill::rows_dot<M>(x, w, K, r);
+}
+
 // y[m * N + n] (+)= x[m] . w[n] + bias[n] for m < M; the calling thread's share
 // of n (an orphaned `omp for`: call it inside a parallel region).
-template <int M>
-void linear_share(const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K, bool add) {
+template <int M, typename T>
+void linear_share(const Rows& x, const T* w, const T* bias, float* y, int64_t N, int64_t K, bool add) {
+  const auto xr = [&] {
+    if constexpr (std::is_same_v<T, float>)
+      return x;
+    else
+      return pagemill::prepare(x.x, M, K, x.mul, x.scratch);
+  }();
 #pragma omp for schedule(static)
   for (int64_t n = 0; n < N; ++n) {
     float r[M];
-    rows_dot<M>(x, w + n * K, K, r);
-    const float b = bias ? bias[n] : 0.f;
+    weight_dot<M>(xr, w + n * K, K, r);
+    const float b = bias ? to_float(bias[n]) : 0.f;
     for (int m = 0; m < M; ++m) y[m * N + n] = (add ? y[m * N + n] : 0.f) + (r[m] + b);
   }
 }
 
 constexpr int kMaxLayerRows = 8;
 
-void linear(int64_t M, const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K, bool add) {
+template <typename T>
+void linear(int64_t M, const Rows& x, const T* w, const T* bias, float* y, int64_t N, int64_t K, bool add) {
   switch (M) {
     case 1: linear_share<1>(x, w, bias, y, N, K, add); break;
     case 2: linear_share<2>(x, w, bias, y, N, K, add); break;
@@ -105,24 +143,16 @@ enum Ptr { kInNorm, kQkvW, kQkvB, kOW, kPostNorm, kGateUpW, kGateUpB, kDownW, kD
 // Indices into the dims table.
 enum Dim { kHidden, kHeads, kKvHeads, kHeadDim, kInter, kBlockSize, kNumDims };
 
-}  // namespace
-
-extern "C" {
-
-int pagemill_decode_layer_ptrs() { return kNumPtrs; }
-int pagemill_decode_layer_dims() { return kNumDims; }
-int pagemill_decode_layer_max_rows() { return kMaxLayerRows; }
-
 // One decoder layer for B sequences of one new token each (B <= kMaxLayerRows).
-// x [B, H]: the residual stream, updated in place. ptrs: float pointers as
-// int64 (bias entries may be 0). cos/sin [B, D]. Token b's k/v are written at
-// flat slot slots[b] before attention reads the first lens[b] rows of its
-// sequence (block_tables [B, width]; lens include the new token).
-int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
-                          const float* cos, const float* sin, float* k_cache, float* v_cache,
-                          const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
-                          int threads) {
-  auto p = [ptrs](Ptr i) { return reinterpret_cast<const float*>(ptrs[i]); };
+// x [B, H]: the float32 residual stream, updated in place. ptrs: T pointers as
+// int64 (bias entries may be 0). cos/sin [B, D] float32. Token b's k/v are
+// written at flat slot slots[b] before attention reads the first lens[b] rows
+// of its sequence (block_tables [B, width]; lens include the new token).
+template <typename T>
+int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
+                 const float* cos, const float* sin, T* k_cache, T* v_cache, const int32_t* block_tables,
+                 int64_t width, const int32_t* lens, const int64_t* slots, int threads, Bf16Mul mul) {
+  auto p = [ptrs](Ptr i) { return reinterpret_cast<const T*>(ptrs[i]); };
   const int64_t H = dims[kHidden], nh = dims[kHeads], nkv = dims[kKvHeads], D = dims[kHeadDim];
   const int64_t I = dims[kInter], bs = dims[kBlockSize];
   if (B < 1 || B > kMaxLayerRows || nkv <= 0 || nh % nkv != 0) return 1;
@@ -132,15 +162,16 @@ int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_
     max_len = lens[b] > max_len ? lens[b] : max_len;
   }
   const int64_t group = nh / nkv, nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk;
-  const float *in_norm = p(kInNorm), *qkv_w = p(kQkvW), *qkv_b = p(kQkvB), *o_w = p(kOW);
-  const float *post_norm = p(kPostNorm), *gu_w = p(kGateUpW), *gu_b = p(kGateUpB);
-  const float *down_w = p(kDownW), *down_b = p(kDownB);
+  const T *in_norm = p(kInNorm), *qkv_w = p(kQkvW), *qkv_b = p(kQkvB), *o_w = p(kOW);
+  const T *post_norm = p(kPostNorm), *gu_w = p(kGateUpW), *gu_b = p(kGateUpB);
+  const T *down_w = p(kDownW), *down_b = p(kDownB);
 
   // Scratch shared by the threads of the region below; kept between calls.
   static thread_local std::vector<float> buf;
   buf.resize(B * (nqkv + nq + 2 * I + I) + B * nh * max_len);
   float *qkv = buf.data(), *attn = qkv + B * nqkv, *gu = attn + B * nq, *act = gu + B * 2 * I;
   float* scores = act + B * I;
+  const int64_t widest = H > nq ? (H > I ? H : I) : (nq > I ? nq : I);
 
   // Five barriers per layer (the ends of the linears and of attention): each
   // thread normalises x into its own buffer instead of one thread doing it
@@ -148,10 +179,13 @@ int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> own;  // this thread's normalised x [B, H]
+    static thread_local std::vector<float> prep;  // this thread's bf16_rows.h copy of a linear's input
     own.resize(B * H);
+    if (!std::is_same_v<T, float>) prep.resize(pagemill::prepared_bytes(B, widest) / sizeof(float));
     float* xn = own.data();
+    const auto rows = [&](const float* in) { return Rows{in, prep.data(), mul}; };
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, in_norm, eps, H, xn + b * H);
-    linear(B, xn, qkv_w, qkv_b, qkv, nqkv, H, false);
+    linear(B, rows(xn), qkv_w, qkv_b, qkv, nqkv, H, false);
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t j = 0; j < nkv; ++j) {
@@ -159,22 +193,25 @@ int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_
         float *q = t + j * group * D, *k = t + nq + j * D, *v = t + nq + nk + j * D;
         rotary(q, group, D, cos + b * D, sin + b * D);
         rotary(k, 1, D, cos + b * D, sin + b * D);
-        memcpy(k_cache + slots[b] * nk + j * D, k, D * sizeof(float));
-        memcpy(v_cache + slots[b] * nk + j * D, v, D * sizeof(float));
-        const PagedKV kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
+        T *kc = k_cache + slots[b] * nk + j * D, *vc = v_cache + slots[b] * nk + j * D;
+        for (int64_t d = 0; d < D; ++d) {
+          kc[d] = from_float<T>(k[d]);
+          vc[d] = from_float<T>(v[d]);
+        }
+        const PagedKV<T> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
         attend_group(q, D, group, kv, j, lens[b], scale, scores + (b * nh + j * group) * max_len,
                      attn + b * nq + j * group * D, D);
       }
     }
-    linear(B, attn, o_w, nullptr, x, H, nq, true);  // residual add
+    linear(B, rows(attn), o_w, (const T*)nullptr, x, H, nq, true);  // residual add
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, post_norm, eps, H, xn + b * H);
-    linear(B, xn, gu_w, gu_b, gu, 2 * I, H, false);
+    linear(B, rows(xn), gu_w, gu_b, gu, 2 * I, H, false);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < B * I; ++i) {
       const float g = gu[(i / I) * 2 * I + i % I], u = gu[(i / I) * 2 * I + I + i % I];
       act[i] = g / (1.f + expf(-g)) * u;  // silu(gate) * up
     }
-    linear(B, act, down_w, down_b, x, H, I, true);  // residual add
+    linear(B, rows(act), down_w, down_b, x, H, I, true);  // residual add
   }
   return 0;
 }
@@ -182,29 +219,81 @@ int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_
 // Attention of B single-token queries against their paged caches.
 // q: token b's heads at q + b * q_stride (heads contiguous, D apart);
 // out [B, nh, D]; block_tables [B, width] int32; context_lens [B] int32.
-int pagemill_paged_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
-                             const int32_t* block_tables, int64_t width, const int32_t* context_lens, float* out,
-                             int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int threads) {
+// q, out and the caches hold T; the arithmetic is float32.
+template <typename T>
+int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+                    int64_t width, const int32_t* context_lens, T* out, int64_t B, int64_t nh, int64_t nkv,
+                    int64_t D, int64_t bs, float scale, int threads) {
   if (nkv <= 0 || nh % nkv != 0) return 1;
   const int64_t group = nh / nkv;
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> scores;
+    std::vector<float> scores, qf(group * D), of(group * D);
 #pragma omp for collapse(2) schedule(dynamic, 1)
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t j = 0; j < nkv; ++j) {
         const int64_t len = context_lens[b];
-        float* o = out + (b * nh + j * group) * D;
+        const T* qg = q + b * q_stride + j * group * D;
+        T* o = out + (b * nh + j * group) * D;
         if (len <= 0) {
-          memset(o, 0, group * D * sizeof(float));
+          memset(o, 0, group * D * sizeof(T));
           continue;
         }
         scores.resize(group * len);
-        const PagedKV kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
-        attend_group(q + b * q_stride + j * group * D, D, group, kv, j, len, scale, scores.data(), o, D);
+        const PagedKV<T> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
+        if constexpr (std::is_same_v<T, float>) {
+          attend_group(qg, D, group, kv, j, len, scale, scores.data(), o, D);
+        } else {  // widen this group's queries, narrow its outputs
+          for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qg[i]);
+          attend_group(qf.data(), D, group, kv, j, len, scale, scores.data(), of.data(), D);
+          for (int64_t i = 0; i < group * D; ++i) o[i] = from_float<T>(of[i]);
+        }
       }
     }
   }
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int pagemill_decode_layer_ptrs() { return kNumPtrs; }
+int pagemill_decode_layer_dims() { return kNumDims; }
+int pagemill_decode_layer_max_rows() { return kMaxLayerRows; }
+
+// decode_layer<float>: ptrs, caches float32.
+int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
+                          const float* cos, const float* sin, float* k_cache, float* v_cache,
+                          const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
+                          int threads) {
+  return decode_layer<float>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
+                             slots, threads, Bf16Mul::kWiden);
+}
+
+// decode_layer<bf16>: ptrs and caches bfloat16, x and cos/sin float32; mul: -1
+// for the measured default, else a pagemill::Bf16Mul.
+int pagemill_decode_layer_bf16(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps,
+                               float scale, const float* cos, const float* sin, bf16* k_cache, bf16* v_cache,
+                               const int32_t* block_tables, int64_t width, const int32_t* lens,
+                               const int64_t* slots, int threads, int mul) {
+  const Bf16Mul m = pagemill::usable(mul < 0 ? pagemill::choose_mul(B) : (Bf16Mul)mul);
+  return decode_layer<bf16>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
+                            slots, threads, m);
+}
+
+int pagemill_paged_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
+                             const int32_t* block_tables, int64_t width, const int32_t* context_lens, float* out,
+                             int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int threads) {
+  return paged_attention<float>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
+                                bs, scale, threads);
+}
+
+int pagemill_paged_attention_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
+                                  const int32_t* block_tables, int64_t width, const int32_t* context_lens, bf16* out,
+                                  int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale,
+                                  int threads) {
+  return paged_attention<bf16>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
+                               bs, scale, threads);
 }
 }

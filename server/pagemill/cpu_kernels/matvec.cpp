@@ -1,4 +1,5 @@
-// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for a few rows M (decode), float32, row-major.
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias[N]) for a few rows M (decode), float32
+// or bfloat16 (float32 sums, see bf16_rows.h), row-major.
 //
 // Why a kernel of our own: at M = 1..2 a decode step is a pure stream over
 // the weights, and neither of torch's CPU paths streams at memory speed
@@ -12,6 +13,9 @@
 // the libgomp torch already loaded, so it shares torch's OpenMP thread pool.
 #include <stdint.h>
 
+#include <vector>
+
+#include "bf16_rows.h"
 #include "vec.h"
 
 namespace {
@@ -85,6 +89,20 @@ void run(const float* x, const float* w, const float* bias, float* y, int64_t N,
   }
 }
 
+// bfloat16: x prepared once (bf16_rows.h), then each thread streams its
+// contiguous share of weight rows against all M rows.
+template <int M>
+void run_bf16(const pagemill::Bf16Rows& x, const pagemill::bf16* w, const pagemill::bf16* bias, pagemill::bf16* y,
+              int64_t N, int64_t K, int threads) {
+#pragma omp parallel for schedule(static) num_threads(threads)
+  for (int64_t n = 0; n < N; ++n) {
+    float r[M];
+    pagemill::rows_dot<M>(x, w + n * K, K, r);
+    const float b = bias ? pagemill::to_float(bias[n]) : 0.f;
+    for (int m = 0; m < M; ++m) y[m * N + n] = pagemill::from_float<pagemill::bf16>(r[m] + b);
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -105,5 +123,28 @@ int pagemill_matvec(const float* x, const float* w, const float* bias, float* y,
     case 8: run<8>(x, w, bias, y, N, K, threads); return 0;
     default: return 1;
   }
+}
+
+// bfloat16 x, w, bias and y; mul: -1 for the measured default, else a
+// pagemill::Bf16Mul (benchmarks compare them). Returns 0, or 1 when M is
+// outside 1..kMaxRows (nothing written).
+int pagemill_matvec_bf16(const pagemill::bf16* x, const pagemill::bf16* w, const pagemill::bf16* bias,
+                         pagemill::bf16* y, int64_t M, int64_t N, int64_t K, int threads, int mul) {
+  using namespace pagemill;
+  if (M < 1 || M > kMaxRows) return 1;
+  static thread_local std::vector<float> buf;
+  buf.resize(prepared_bytes(M, K) / sizeof(float));
+  const Bf16Rows xr = prepare(x, M, K, usable(mul < 0 ? choose_mul(M) : (Bf16Mul)mul), buf.data());
+  switch (M) {
+    case 1: run_bf16<1>(xr, w, bias, y, N, K, threads); break;
+    case 2: run_bf16<2>(xr, w, bias, y, N, K, threads); break;
+    case 3: run_bf16<3>(xr, w, bias, y, N, K, threads); break;
+    case 4: run_bf16<4>(xr, w, bias, y, N, K, threads); break;
+    case 5: run_bf16<5>(xr, w, bias, y, N, K, threads); break;
+    case 6: run_bf16<6>(xr, w, bias, y, N, K, threads); break;
+    case 7: run_bf16<7>(xr, w, bias, y, N, K, threads); break;
+    case 8: run_bf16<8>(xr, w, bias, y, N, K, threads); break;
+  }
+  return 0;
 }
 }

@@ -6,8 +6,8 @@ write and gather, SDPA, SiLU, residual adds) cost about as much dispatch
 time as the weights take to read. The kernel runs a layer in one call and
 reads each weight row once for all the batch's rows.
 
-It applies only where it computes exactly what the torch path does: CPU,
-float32 weights, pool and activations, one unsharded process (no
+It applies only where it computes what the torch path does: CPU, float32
+or bfloat16 weights and pool (one dtype for all), one unsharded process (no
 all-reduce between the halves of a layer), up to FUSED_MAX_BATCH sequences
 with one new token each (not prefill, not speculative verification). Above
 that the linears are compute-bound and oneDNN's GEMM is faster (measured,
@@ -16,6 +16,12 @@ see FUSED_MAX_BATCH). Everything else, and
 through pointers taken at pack time: a model whose parameters are replaced
 afterwards must be packed again (as for packed_linear's copies); the
 tensors are held here, so a stale table never points at freed memory.
+
+bfloat16: the kernel reads bf16 weights and pool, and keeps the residual
+stream, cos/sin and every intermediate in float32 across all layers (the
+embedding is widened once, the result narrowed once before the final norm):
+closer to a float32 model than torch's bf16 modules, which round each
+intermediate, and no slower (the weights are the traffic).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import torch
 from torch import nn
 
 from pagemill.attention.metadata import AttentionMetadata
-from pagemill.cpu_kernels import DecodeKernels
+from pagemill.cpu_kernels import BF16_MUL, DecodeKernels
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -36,12 +42,20 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 # 2: 25.0 vs 52.0, 3: 30.4 vs 47.6, 4: 39.8 vs 52.2, 5: 38.7 vs 44.5,
 # 6: 53.6 vs 51.7, 8: 51.8 vs 44.5 (oneDNN's GEMM wins from 6 rows).
 FUSED_MAX_BATCH = 5
+# The same for bfloat16 weights (benchmarks/decode_ab.py --dtype bfloat16; docs/cpu.md).
+FUSED_MAX_BATCH_BF16 = 5
+_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class FusedDecoder:
-    def __init__(self, layers: nn.ModuleList, kernels: DecodeKernels, eps: float, block_size_hint: int = 0) -> None:
+    def __init__(self, layers: nn.ModuleList, kernels: DecodeKernels, eps: float, dtype: torch.dtype) -> None:
         self._kernels = kernels
         self._eps = eps
+        self.dtype = dtype
+        self.max_batch = min(FUSED_MAX_BATCH if dtype == torch.float32 else FUSED_MAX_BATCH_BF16,
+                             kernels.layer_max_rows)  # fmt: skip
+        # bf16 only: how the linears multiply (cpu_kernels.BF16_MUL; benchmarks switch it).
+        self.mul = "auto"
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self._scale = attn.scale
@@ -58,12 +72,14 @@ class FusedDecoder:
             return None
         layers = model.model.layers
         params = [p for layer in layers for p in layer.parameters()]
-        if not params or any(p.device.type != "cpu" or p.dtype != torch.float32 or not p.is_contiguous()
-                             for p in params):  # fmt: skip
+        if not params or params[0].dtype not in _DTYPES:
+            return None
+        dtype = params[0].dtype
+        if any(p.device.type != "cpu" or p.dtype != dtype or not p.is_contiguous() for p in params):
             return None
         if model.config.head_dim % 2 or len({layer.input_layernorm.eps for layer in layers}) != 1:
             return None
-        return cls(layers, kernels, layers[0].input_layernorm.eps)
+        return cls(layers, kernels, layers[0].input_layernorm.eps, dtype)
 
     def _pointer_table(self, layer: nn.Module) -> torch.Tensor:
         attn, mlp = layer.self_attn, layer.mlp
@@ -76,18 +92,20 @@ class FusedDecoder:
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> bool:
         n = x.shape[0]
-        if meta.is_prefill or meta.static or n != meta.num_seqs or x.dtype != torch.float32:
+        if meta.is_prefill or meta.static or n != meta.num_seqs or x.dtype != self.dtype:
             return False
-        if not 1 <= n <= min(FUSED_MAX_BATCH, self._kernels.layer_max_rows):
+        if not 1 <= n <= self.max_batch:
             return False
         k, v = kv_caches[0]
-        return k.dtype == v.dtype == torch.float32 and k.device.type == "cpu" and k.is_contiguous()
+        return k.dtype == v.dtype == self.dtype and k.device.type == "cpu" and k.is_contiguous()
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                  kv_caches: Sequence[KVCache]) -> torch.Tensor:  # fmt: skip
-        """x [B, hidden] (each sequence's embedded token) -> hidden states after the last layer."""
-        x = x.contiguous().clone()  # the kernel updates the residual stream in place
-        cos, sin = cos.contiguous(), sin.contiguous()
+        """x [B, hidden] (each sequence's embedded token) -> hidden states after the last layer, in
+        x's dtype. cos/sin [B, head_dim] float32."""
+        # The kernel updates the residual stream in place, in float32.
+        x = x.to(torch.float32, copy=True).contiguous()
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
         block_size = kv_caches[0][0].shape[1]
         dims = self._dims.get(block_size)
         if dims is None:
@@ -95,11 +113,15 @@ class FusedDecoder:
         tables = meta.block_tables.to(torch.int32).contiguous()
         lens = meta.context_lens.to(torch.int32).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        layer, b = self._kernels.layer, x.shape[0]
+        b = x.shape[0]
         args = (dims.data_ptr(), self._eps, self._scale, cos.data_ptr(), sin.data_ptr())
         rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), torch.get_num_threads())
+        if self.dtype == torch.bfloat16:
+            layer, rest = self._kernels.layer_bf16, (*rest, BF16_MUL[self.mul])
+        else:
+            layer = self._kernels.layer
         for ptrs, (k, v) in zip(self._tables, kv_caches, strict=True):
             rc = layer(x.data_ptr(), b, ptrs.data_ptr(), *args, k.data_ptr(), v.data_ptr(), *rest)
             if rc != 0:
                 raise ValueError(f"fused decode layer rejected its shapes (rc={rc})")
-        return x
+        return x.to(self.dtype)

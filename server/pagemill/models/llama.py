@@ -117,10 +117,12 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        if self.fused is not None and self.fused.applies(x, meta, kv_caches):
+            # The fused layers compute in float32 whatever the weights' dtype.
+            cos, sin = self.rotary.cos_sin(positions, torch.float32)
+            return self.norm(self.fused(x, cos, sin, meta, kv_caches))
         # One cos/sin for all layers: positions do not change inside a forward.
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.fused is not None and self.fused.applies(x, meta, kv_caches):
-            return self.norm(self.fused(x, cos, sin, meta, kv_caches))
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, sin, meta, kv_cache)
         return self.norm(x)

@@ -9,7 +9,9 @@ faster at batch 64. Large prefills keep MKL's GEMM (plain weight), which is
 compute-bound and as fast or faster there.
 
 The packed copy costs the weight's memory a second time; it is only made on
-CPU for float32 (oneDNN's bf16/f16 paths are not what the tests check).
+CPU for float32 and, where oneDNN runs bf16 natively, bfloat16 (oneDNN's
+brg_matmul:avx512_core_bf16 either way; see docs/cpu.md for whether the
+packed bf16 copy pays).
 
 At MATVEC_MAX_ROWS (1) row a compiled matrix-vector kernel
 (pagemill.cpu_kernels) beats both: it reads the plain weight at close to
@@ -34,15 +36,27 @@ _PACK_HINT = 16
 # (benchmarks/decode_ab.py): batch-1 decode step 42-44 -> 29-31 ms (1.4x);
 # batch 2 1.01x (no gain), so only single rows take it.
 MATVEC_MAX_ROWS = 1
+# Whether bfloat16 weights get a packed copy too (measured in docs/cpu.md).
+PACK_BF16 = True
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
+    if dtype == torch.bfloat16:
+        if not _mkldnn_bf16():
+            return False
+    elif dtype != torch.float32:
+        return False
     return (
         device.type == "cpu"
-        and dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+def _mkldnn_bf16() -> bool:
+    """Whether oneDNN has native bf16 kernels on this CPU (AVX512-BF16 or AMX), not emulation."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check is not None and check())
 
 
 class PackedLinear(nn.Linear):
@@ -56,26 +70,30 @@ class PackedLinear(nn.Linear):
         cpu_kernels: also use the compiled matvec for single rows (cpu_kernels/)."""
         w = self.weight
         self.packed = self.matvec = None
-        if packing_available(w.device, w.dtype):
+        if not packing_available(w.device, w.dtype):
+            return
+        if w.dtype == torch.float32 or PACK_BF16:
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT)
-            if cpu_kernels and w.is_contiguous():
-                from pagemill.cpu_kernels import matvec_kernel
+        if cpu_kernels and w.is_contiguous():
+            from pagemill.cpu_kernels import matvec_kernel
 
-                self.matvec = matvec_kernel()
+            self.matvec = matvec_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.matmul(x, self.bias)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ weight.T (+ bias), through the packed weight where it pays."""
-        packed = self.packed
-        if packed is None or x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] > PACKED_MAX_ROWS:
+        """x @ weight.T (+ bias), through the matvec kernel or the packed weight where they pay."""
+        rows = x.shape[0] if x.dim() == 2 else 0
+        if x.dtype != self.weight.dtype or not 0 < rows <= PACKED_MAX_ROWS:
             return F.linear(x, self.weight, bias)
         if torch.is_grad_enabled() and x.requires_grad:
             return F.linear(x, self.weight, bias)  # the packed ops have no backward
-        if self.matvec is not None and 0 < x.shape[0] <= MATVEC_MAX_ROWS:
+        if self.matvec is not None and rows <= MATVEC_MAX_ROWS:
             return self.matvec(x.contiguous(), self.weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
+        return F.linear(x, self.weight, bias)
 
 
 def pack_all(module: nn.Module, cpu_kernels: bool = True) -> int:
