@@ -63,8 +63,11 @@ class Server:
 
 def launch(model: str, *extra: str, timeout: float = 300, env: dict | None = None) -> Server:
     port = free_port()
+    # float32 unless a test asks: the tests compare against transformers float32 and
+    # snapshots, and `--dtype auto` (the default) picks bf16 on CPUs with AVX512-BF16/AMX.
+    dtype = () if "--dtype" in extra else ("--dtype", "float32")
     argv = [sys.executable, "-m", "pagemill", "launch", "--model", model, "--port", str(port),
-            "--master-port", str(free_port()), *extra]
+            "--master-port", str(free_port()), *dtype, *extra]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             env=dict(os.environ, **(env or {})))
     server = Server(proc, port)

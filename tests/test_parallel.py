@@ -211,7 +211,7 @@ def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0, d
     cfg = ShardConfig(model_dir=model_dir, uds_path="unused", rank=group.rank if group else 0,
                       world_size=group.world_size if group else 1, block_size=4, kv_cache_memory=1 << 20,
                       speculate=speculate, speculate_method="draft" if draft else "ngram",
-                      draft_model=model_dir if draft else None)  # fmt: skip
+                      draft_model=model_dir if draft else None, dtype="float32")  # fmt: skip
     runner = ModelRunner.from_shard_config(cfg, group)
     warm = runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_input_tokens=32, max_total_tokens=64,
                                           max_batch_size=8))  # fmt: skip

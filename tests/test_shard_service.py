@@ -164,7 +164,7 @@ def shard(tmp_path_factory):
     code = (
         "from pagemill.config import ShardConfig; from pagemill.shard.main import serve; "
         f"serve(ShardConfig(model_dir={model_dir!r}, uds_path={sock!r}, block_size={BLOCK_SIZE}, "
-        f"kv_cache_memory={POOL_BLOCKS * BLOCK_BYTES}, num_threads=1))"
+        f"kv_cache_memory={POOL_BLOCKS * BLOCK_BYTES}, num_threads=1, dtype='float32'))"  # exact vs HF float32
     )
     log_path = tmp_path_factory.mktemp("log") / "shard.log"
     log = open(log_path, "w")
@@ -416,7 +416,8 @@ def test_health_fails_once_a_forward_broke(tmp_path):
 
     model_dir = build_model_dir(str(tmp_path), "llama_gqa")
     runner = ModelRunner.from_shard_config(
-        ShardConfig(model_dir=model_dir, uds_path="unused", block_size=BLOCK_SIZE, kv_cache_memory=64 * BLOCK_BYTES)
+        ShardConfig(model_dir=model_dir, uds_path="unused", block_size=BLOCK_SIZE, kv_cache_memory=64 * BLOCK_BYTES,
+                    dtype="float32")
     )
     runner.health()
     runner.warmup(

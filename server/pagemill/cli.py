@@ -23,7 +23,8 @@ def parse_bytes(text: str) -> int:
 
 
 def _add_shard_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on a CPU with AVX512-BF16 or AMX-BF16 (or a GPU with bf16), else float32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument("--kv-cache-memory", type=parse_bytes, default="1GiB",
@@ -38,7 +39,7 @@ def _add_shard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None,
                    help="HF model dir of the draft model (same tokenizer as the target)")
     p.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
-                   help="compiled float32 CPU decode kernels: whole-layer decode up to 5 sequences, single-row "
+                   help="compiled float32/bfloat16 CPU decode kernels: whole-layer decode up to 5 sequences, single-row "
                         "matvec, in-place paged attention (needs a C++ compiler; docs/cpu.md)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps from CUDA graphs captured at warmup (CUDA only; not with --speculate)")

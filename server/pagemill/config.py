@@ -15,7 +15,7 @@ class ShardConfig:
     master_port: int = 29500
     local_rank: int | None = None  # GPU index on this node (default: rank % visible GPUs)
     dist_timeout_s: float = 300.0  # how long a collective waits for a lost peer before failing
-    dtype: str = "float32"  # float32 | bfloat16 | float16
+    dtype: str = "auto"  # auto (models/auto_dtype.py) | float32 | bfloat16 | float16
     device: str = "cpu"  # cpu | cuda
     block_size: int = 16
     # Bytes of KV pool on CPU (all layers, K and V). On CUDA the pool is sized
@@ -30,6 +30,6 @@ class ShardConfig:
     # Decode steps replay CUDA graphs captured at warmup (shard/cuda_graphs.py); ignored on CPU
     # and with speculate > 0.
     cuda_graphs: bool = True
-    # Compiled float32 CPU decode kernels (cpu_kernels/, docs/cpu.md).
+    # Compiled float32/bfloat16 CPU decode kernels (cpu_kernels/, docs/cpu.md).
     cpu_kernels: bool = True
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 | fp8_e5m2 (attention/kv_dtype.py)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pagemill.cli import API_KEY_ENV, api_key, router_argv
+from pagemill.models.auto_dtype import resolve_dtype
 
 _PR_SET_PDEATHSIG = 1
 
@@ -139,6 +140,9 @@ class Launcher:
         _progress("pagemill: resolving model (the default model is converted once, then cached)")
         model_dir = str(resolve_model(a.model, cache_dir=Path(a.cache_dir) if a.cache_dir else None))
         _progress(f"pagemill: model {model_dir}", final=True)
+        # Resolved once here so that every shard runs the same dtype (each logs it too).
+        dtype, why = resolve_dtype(a.dtype, a.device)
+        _progress(f"pagemill: dtype {dtype} ({why})", final=True)
         sock_dir = tempfile.mkdtemp(prefix="pagemill-")
         socks = [os.path.join(sock_dir, f"shard-{r}.sock") for r in range(a.num_shard)]
         if a.num_shard < 1:
@@ -153,7 +157,7 @@ class Launcher:
             argv = [sys.executable, "-m", "pagemill", "shard", "--model-dir", model_dir, "--uds-path", sock,
                     "--rank", str(rank), "--world-size", str(a.num_shard), "--master-addr", "127.0.0.1",
                     "--master-port", str(a.master_port), "--local-rank", str(rank),
-                    "--dtype", a.dtype, "--device", a.device, "--block-size", str(a.block_size),
+                    "--dtype", dtype, "--device", a.device, "--block-size", str(a.block_size),
                     "--kv-cache-memory", str(a.kv_cache_memory), "--attention", a.attention,
                     "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(threads),
                     "--speculate", str(a.speculate), "--speculate-method", a.speculate_method,

@@ -34,6 +34,7 @@ from pagemill.attention.kv_dtype import check_kv_dtype, kv_dtype_name, parse_kv_
 from pagemill.config import ShardConfig
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
+from pagemill.models.auto_dtype import resolve_dtype
 from pagemill.models.loader import dtype_name, load_model, parse_dtype
 from pagemill.parallel.group import ParallelGroup
 from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMasker
@@ -111,7 +112,9 @@ class ModelRunner:
         group = group or ParallelGroup.single(cfg.device)
         device = group.device  # with several CUDA ranks: this rank's GPU
         backend = select_backend(cfg.attention, device, cpu_kernels=cfg.cpu_kernels)
-        model, config = load_model(cfg.model_dir, parse_dtype(cfg.dtype), device, backend, group,
+        dtype, why = resolve_dtype(cfg.dtype, device)
+        log.info("dtype %s (%s)", dtype, why)
+        model, config = load_model(cfg.model_dir, parse_dtype(dtype), device, backend, group,
                                    cpu_kernels=cfg.cpu_kernels)
         draft = None
         if cfg.speculate > 0 and cfg.speculate_method == "draft":
@@ -119,7 +122,7 @@ class ModelRunner:
                 raise ValueError("--speculate-method draft needs --draft-model DIR")
             # The draft is small: every rank runs all of it (replicated, no
             # communication), fed the same inputs and sampler, so proposals agree.
-            d_model, d_config = load_model(cfg.draft_model, parse_dtype(cfg.dtype), device, backend,
+            d_model, d_config = load_model(cfg.draft_model, parse_dtype(dtype), device, backend,
                                            cpu_kernels=cfg.cpu_kernels)
             draft = DraftProposer(d_model, d_config, device, cfg.block_size)
         return cls(
