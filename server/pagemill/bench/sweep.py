@@ -56,7 +56,9 @@ def run_sweep(runner: ModelRunner, batch_sizes: list[int], input_len: int, steps
             for r in list(batch.requests):
                 driver.release(r.id)
         pre, dec, dwall = statistics.median(prefills), statistics.median(fwd), statistics.median(wall)
-        floor = None if machine is None else decode_floor(runner.config, machine, b, input_len + (steps + 1) // 2)
+        # The floor in the shard's own dtype (`--dtype auto` may have picked bf16: half the bytes).
+        floor = None if machine is None else decode_floor(runner.config, machine, b, input_len + (steps + 1) // 2,
+                                                          runner.dtype.itemsize)  # fmt: skip
         points.append(SweepPoint(
             batch_size=b, input_len=input_len, prefill_ms=pre, prefill_tok_s=b * input_len / pre * 1e3,
             decode_ms=dec, decode_wall_ms=dwall, decode_tok_s=b / dwall * 1e3, shard_overhead_ms=dwall - dec,
