@@ -14,7 +14,8 @@ ratios):
 2. decode steps of the default model (forward_ns as the shard reports it),
    a bfloat16 and a float32 shard side by side: `bf16 fused` (the default;
    whole-layer kernel up to its threshold, then packed oneDNN + in-place
-   attention), `bf16 fused dpbf16` / `bf16 fused widen` (the multiply forced),
+   attention), `bf16 fused dpbf16` / `bf16 fused widen` (the multiply forced, and the
+   fused layer up to 8 sequences, past its threshold),
    `bf16 module` (no whole-layer kernel), `bf16 unpacked` (module path with
    F.linear instead of the packed copy), and `f32 fused` (float32's default);
 3. the memory floor of a step at each batch size (bench/roofline.py),
@@ -86,14 +87,17 @@ class Shard:
         self.linears = [m for m in model.modules() if isinstance(m, PackedLinear)]
         self.packed = [m.packed for m in self.linears]
         self.fused = model.model.fused
+        self.max_batch = self.fused and self.fused.max_batch
         self.driver = ShardDriver(self.runner)
         prompts = random_prompts(batch_size, 64, self.runner.config.vocab_size)
         self.batch, _ = self.driver.prefill(prompts, max_new_tokens=new_tokens)
 
     def step(self, fused: bool = True, packed: bool = True, mul: str = "auto") -> float:
+        """mul other than "auto" forces the fused layer up to the most rows it takes."""
         self.runner.model.model.fused = self.fused if fused else None
         if self.fused is not None:
             self.fused.mul = mul
+            self.fused.max_batch = self.max_batch if mul == "auto" else self.fused._kernels.layer_max_rows
         for m, p in zip(self.linears, self.packed):
             m.packed = p if packed else None
         ms = self.driver.decode(self.batch).forward_ns / 1e6
@@ -121,10 +125,11 @@ VARIANTS = {
 
 
 def decode_ab(batch_size: int, steps: int) -> dict:
-    from pagemill.models.fused_decode import FUSED_MAX_BATCH_BF16
+    from pagemill.cpu_kernels import decode_kernels
 
-    names = [n for n in VARIANTS if batch_size <= FUSED_MAX_BATCH_BF16 or n in ("bf16 fused", "bf16 unpacked",
-                                                                                  "f32 fused")]  # fmt: skip
+    # The forced fused variants and the module path up to the most rows the layer takes.
+    names = [n for n in VARIANTS if batch_size <= decode_kernels().layer_max_rows or n in ("bf16 fused",
+             "bf16 unpacked", "f32 fused")]  # fmt: skip
     per_shard = {d: sum(VARIANTS[n][0] == d for n in names) for d in ("bfloat16", "float32")}
     shards = {d: Shard(d, batch_size, steps, k) for d, k in per_shard.items()}
     times = {n: [] for n in names}
@@ -148,8 +153,11 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,2,3,4,5,6,8,64")
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--rounds", type=int, default=7, help="rounds of the linears A/B")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
     flags = sorted(f for f in cpu_flags() if f.startswith(("avx512", "amx", "avx2", "fma")))
     out: dict = {"cpu_flags": flags, "threads": torch.get_num_threads(), "linears": {}, "decode": {}}

@@ -24,14 +24,16 @@ namespace pagemill {
 enum class Bf16Mul : int { kDpbf16 = 0, kWiden = 1 };
 
 // What the kernels use for M rows when the caller does not say. Measured
-// with benchmarks/decode_ab.py (docs/cpu.md): both run at memory speed at 1
-// row; from 2 rows vdpbf16ps does half the instructions per weight.
+// (benchmarks/bf16_ab.py, all decode linears of the default model, docs/cpu.md):
+// from 2 rows vdpbf16ps is 1.3-2x faster than widening; at 1 row the two
+// measured within the machine's noise of each other, and vdpbf16ps issues
+// under half the instructions per weight byte (3 against 7 per 64 bytes),
+// which is what counts when the core is shared.
 inline Bf16Mul choose_mul(int64_t M) {
-#if defined(__AVX512BF16__)
   (void)M;
+#if defined(__AVX512BF16__)
   return Bf16Mul::kDpbf16;
 #else
-  (void)M;
   return Bf16Mul::kWiden;
 #endif
 }

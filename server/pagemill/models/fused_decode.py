@@ -42,8 +42,11 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 # 2: 25.0 vs 52.0, 3: 30.4 vs 47.6, 4: 39.8 vs 52.2, 5: 38.7 vs 44.5,
 # 6: 53.6 vs 51.7, 8: 51.8 vs 44.5 (oneDNN's GEMM wins from 6 rows).
 FUSED_MAX_BATCH = 5
-# The same for bfloat16 weights (benchmarks/decode_ab.py --dtype bfloat16; docs/cpu.md).
-FUSED_MAX_BATCH_BF16 = 5
+# The same for bfloat16 weights: the layer's maximum. Measured with
+# benchmarks/bf16_ab.py --threads 1 (a shared, noisy machine; docs/cpu.md),
+# fused vs module path (packed oneDNN bf16 + in-place attention):
+# batch 5 54 vs 74 ms, 6: 44 vs 54, 8: 98 vs 109.
+FUSED_MAX_BATCH_BF16 = 8
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
