@@ -8,7 +8,8 @@ from pagemill.models import auto_dtype
 from pagemill.models.auto_dtype import resolve_dtype
 
 
-@pytest.mark.parametrize("flags,expected", [({"avx512f", "avx512_bf16"}, "bfloat16"), ({"amx_bf16", "amx_tile"}, "bfloat16"),
+@pytest.mark.parametrize("flags,expected", [({"avx512f", "avx512_bf16"}, "bfloat16"),
+                                            ({"amx_bf16", "amx_tile"}, "bfloat16"),
                                             ({"avx512f", "avx2"}, "float32"), (set(), "float32")])  # fmt: skip
 def test_auto_picks_bf16_only_with_native_bf16(monkeypatch, flags, expected):
     monkeypatch.setattr(auto_dtype, "cpu_flags", lambda: flags)

@@ -39,8 +39,8 @@ def _add_shard_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", default=None,
                    help="HF model dir of the draft model (same tokenizer as the target)")
     p.add_argument("--cpu-kernels", action=argparse.BooleanOptionalAction, default=True,
-                   help="compiled float32/bfloat16 CPU decode kernels: whole-layer decode up to 5 sequences, single-row "
-                        "matvec, in-place paged attention (needs a C++ compiler; docs/cpu.md)")
+                   help="compiled float32/bfloat16 CPU decode kernels: whole-layer decode up to 5 (bf16: 8) "
+                        "sequences, single-row matvec, in-place paged attention (needs a C++ compiler; docs/cpu.md)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps from CUDA graphs captured at warmup (CUDA only; not with --speculate)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
