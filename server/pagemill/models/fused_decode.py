@@ -44,8 +44,9 @@ KVCache = tuple[torch.Tensor, torch.Tensor]
 FUSED_MAX_BATCH = 5
 # The same for bfloat16 weights: the layer's maximum. Measured with
 # benchmarks/bf16_ab.py --threads 1 (a shared, noisy machine; docs/cpu.md),
-# fused vs module path (packed oneDNN bf16 + in-place attention):
-# batch 5 54 vs 74 ms, 6: 44 vs 54, 8: 98 vs 109.
+# fused vs module path (packed oneDNN bf16 + in-place attention): batch 4
+# 54.5 vs 63.3 ms, 5: 54 vs 74; 6 and 8 even (68 vs 62, 78 vs 79 in one run,
+# 44 vs 54, 98 vs 109 in another).
 FUSED_MAX_BATCH_BF16 = 8
 _DTYPES = (torch.float32, torch.bfloat16)
 

@@ -37,8 +37,8 @@ _PACK_HINT = 16
 # batch 2 1.01x (no gain), so only single rows take it.
 MATVEC_MAX_ROWS = 1
 # Whether bfloat16 weights get a packed copy too. Measured (benchmarks/bf16_ab.py,
-# 1 thread): the decode linears at 64 rows 150.5 ms packed vs 172.6 ms F.linear,
-# a batch-64 decode step 279 vs 298 ms; so yes, for 269 MB on the default model.
+# 1 thread; docs/cpu.md): the decode linears at 64 rows 155.6 ms packed vs 192.7 ms
+# F.linear, a batch-64 decode step 224 vs 260 ms; so yes, for 269 MB on the default model.
 PACK_BF16 = True
 
 
