@@ -11,7 +11,9 @@ three variants switched between steps: `fused` (the default: whole-layer
 kernel at batch 1, paged-attention kernel above it), `matvec` (the module
 path with the matvec kernel and torch attention) and `onednn` (no compiled
 kernel at all). Prints medians and minima; on a shared machine compare the
-ratios, not the absolute times.
+ratios, not the absolute times. float32 only (the default model loads in
+float32 here); bfloat16 against float32 and the memory floor:
+benchmarks/bf16_ab.py.
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ def decode_ab(batch_size: int, steps: int) -> dict:
     from pagemill.models.packed_linear import PackedLinear
     from pagemill.shard.engine import ModelRunner
 
-    runner = ModelRunner.from_shard_config(ShardConfig(model_dir=resolve_model_dir(None), uds_path=""))
+    runner = ModelRunner.from_shard_config(ShardConfig(model_dir=resolve_model_dir(None), uds_path="", dtype="float32"))
     warm_runner(runner, max_batch_size=batch_size, max_prefill_tokens=batch_size * 64, max_input=64 + 2 * steps + 2)
     model = runner.model
     lin = [m for m in model.modules() if isinstance(m, PackedLinear)]

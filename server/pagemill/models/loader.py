@@ -69,7 +69,7 @@ def load_model(
     model.tie_weights()  # to_empty created fresh parameters
     load_weights(model, safetensors_files(model_dir))
     model.eval().requires_grad_(False)
-    model.pack_weights(cpu_kernels)  # CPU float32 only; see models/packed_linear.py
+    model.pack_weights(cpu_kernels)  # CPU float32/bf16 only; see models/packed_linear.py
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
         log.warning(
             "sliding_window=%d is not applied by the attention backends; sequences longer than it "
