@@ -17,11 +17,12 @@
 // w * (x * rsqrt(mean(x^2) + eps)), rotary in HF's rotate_half layout with
 // the caller's cos/sin row, softmax in float32. Results agree to rounding.
 //
-// bfloat16: weights, norms, biases and the KV pool are read as bf16 and
-// widened (or multiplied with vdpbf16ps, bf16_rows.h); everything else in
-// the layer, the residual stream included, stays float32. That is at least
-// as accurate as torch's bf16 modules (which round every intermediate to
-// bf16) and costs nothing: the layer's traffic is the weights.
+// bfloat16: weights, norms, biases and the KV pool are read as bf16 (the
+// linears multiply with vdpbf16ps where the CPU has it, else widen to
+// float32; bf16_rows.h); everything else in the layer, the residual stream
+// included, stays float32. That is at least as accurate as torch's bf16
+// modules (which round every intermediate to bf16) and adds no memory
+// traffic worth counting: the layer's traffic is the weights.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
