@@ -3,6 +3,8 @@
 - matvec.cpp: the float32 matrix-vector product of single-row linears.
 - decode.cpp: a whole decoder layer for one token, and paged attention for a
   batch of single-token queries (each file says why).
+- int8_linear.cpp: the int8-weight, int8-activation linear of `--quantize int8`
+  (wrapped by int8.py).
 
 They form one library, built once per machine with the system C++ compiler (`$CXX`, else
 g++/c++) and `-march=native`, cached under `$PAGEMILL_KERNEL_CACHE`
@@ -30,7 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp"]
+_SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp"]
 _HEADERS = [_DIR / "vec.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
@@ -116,6 +118,13 @@ def _library() -> ctypes.CDLL | None:
 
 
 def _load() -> ctypes.CDLL | None:
+    return build_library()
+
+
+def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """A library built with `extra_flags` after the usual ones (e.g. ("-mno-avx512f",) to
+    compile the portable paths on an AVX-512 machine, as the tests do); cached like the
+    default one, but not shared: the process-wide kernels always come from _load()."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return None  # the build line and the OpenMP sharing below are only checked there
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
@@ -123,7 +132,7 @@ def _load() -> ctypes.CDLL | None:
         log.info("cpu kernels: no C++ compiler found; using torch's ops for decode")
         return None
     try:
-        path = _build(cxx)
+        path = _build(cxx, extra_flags)
         # torch is imported, so its libgomp.so.1 is loaded: the library's
         # NEEDED libgomp.so.1 resolves to it and the two share one pool.
         return ctypes.CDLL(str(path))
@@ -132,10 +141,11 @@ def _load() -> ctypes.CDLL | None:
         return None
 
 
-def _build(cxx: str) -> Path:
+def _build(cxx: str, extra_flags: tuple[str, ...] = ()) -> Path:
     source = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
+    flags = [*_FLAGS, *extra_flags]
     # -march=native: the binary is only valid for this CPU, so its flags are part of the key.
-    key = hashlib.sha256(source + " ".join([cxx, *_FLAGS, _cpu_flags()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source + " ".join([cxx, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEMILL_KERNEL_CACHE") or Path.home() / ".cache" / "pagemill" / "kernels")
     path = cache / f"cpu-kernels-{key}.so"
     if path.exists():
@@ -145,7 +155,7 @@ def _build(cxx: str) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *_FLAGS, f"-I{_DIR}", *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
+        subprocess.run([cxx, *flags, f"-I{_DIR}", *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

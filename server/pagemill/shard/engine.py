@@ -112,7 +112,7 @@ class ModelRunner:
         device = group.device  # with several CUDA ranks: this rank's GPU
         backend = select_backend(cfg.attention, device, cpu_kernels=cfg.cpu_kernels)
         model, config = load_model(cfg.model_dir, parse_dtype(cfg.dtype), device, backend, group,
-                                   cpu_kernels=cfg.cpu_kernels)
+                                   cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize)
         draft = None
         if cfg.speculate > 0 and cfg.speculate_method == "draft":
             if not cfg.draft_model:
