@@ -129,24 +129,38 @@ inline float epilogue(const Args& a, int64_t m, int64_t n, int32_t acc) {
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 // Rows [m0, m0+MR) x blocks [b0, b0+NB).
+// Rows [m0, m0+MR) x blocks [b0, b0+NB). The accumulators must live in
+// registers: GCC 12 keeps them on the stack (a store and a load around every
+// vpdpbusd) unless the constant loops are unrolled early (the pragmas) and
+// the epilogue reads the sums back from memory rather than from the array.
 template <int MR, int NB>
 void tile(const Args& a, int64_t m0, int64_t b0) {
   __m512i acc[MR][NB];
+#pragma GCC unroll 8
   for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_si512();
   const int64_t k4s = a.Kp / 4, block_bytes = a.Kp * kBlock;
   const int8_t* w = a.wq + b0 * block_bytes;
   const uint8_t* x = a.xu + m0 * a.Kp;
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
     __m512i wv[NB];
+#pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * block_bytes + k4 * 64);
+#pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       int32_t four;
       memcpy(&four, x + m * a.Kp + 4 * k4, 4);
       const __m512i xb = _mm512_set1_epi32(four);
+#pragma GCC unroll 4
       for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xb, wv[j]);
     }
   }
+  alignas(64) int32_t sums[MR][NB][kBlock];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) _mm512_store_si512(sums[m][j], acc[m][j]);
   for (int j = 0; j < NB; ++j) {
     const int64_t n = (b0 + j) * kBlock;
     const int64_t valid = a.N - n < kBlock ? a.N - n : kBlock;
@@ -155,7 +169,7 @@ void tile(const Args& a, int64_t m0, int64_t b0) {
     const __m512 ws = _mm512_loadu_ps(a.w_scale + n);
     const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) {
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][j], corr));
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[m][j]), corr));
       const __m512 r = _mm512_fmadd_ps(v, _mm512_mul_ps(_mm512_set1_ps(a.x_scale[m0 + m]), ws), bias);
       if (a.bf16) {
         alignas(64) float tmp[kBlock];
