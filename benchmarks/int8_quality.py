@@ -3,7 +3,7 @@
     python benchmarks/int8_quality.py [--model DIR] [--json out.json]
 
 For each variant (float32; bfloat16; int8 with the rest of the model in float32 and in
-bfloat16; int8 with the output head kept in float32):
+bfloat16; int8 with the output head kept in float32; int8 without down_proj's Hadamard rotation):
 - perplexity of benchmarks/texts/public_domain_en.txt (one prefill over the whole text);
 - top-1 agreement with float32 on that text (teacher-forced: the same history for all);
 - greedy agreement on a fixed prompt set: the tokens of 32-token greedy continuations equal to
@@ -42,13 +42,14 @@ PROMPTS = [
 NEW_TOKENS = 32
 BLOCK = 16
 
-# name -> (model dtype, quantize, output head quantized)
+# name -> (model dtype, quantize, output head quantized, down_proj Hadamard-rotated)
 VARIANTS = {
-    "float32": ("float32", False, False),
-    "bfloat16": ("bfloat16", False, False),
-    "int8 (rest float32)": ("float32", True, True),
-    "int8 (rest bfloat16)": ("bfloat16", True, True),
-    "int8, float32 head": ("float32", True, False),
+    "float32": ("float32", False, False, False),
+    "bfloat16": ("bfloat16", False, False, False),
+    "int8 (rest float32)": ("float32", True, True, True),
+    "int8 (rest bfloat16)": ("bfloat16", True, True, True),
+    "int8, float32 head": ("float32", True, False, True),
+    "int8, no rotation": ("float32", True, True, False),
 }
 
 
@@ -74,10 +75,10 @@ class Sequence:
         return self.model.compute_logits(hidden)
 
 
-def load(model_dir: str, dtype: str, quantize: bool, head: bool):
+def load(model_dir: str, dtype: str, quantize: bool, head: bool, rotate: bool):
     model, config = load_model(model_dir, dtype, "cpu")
     if quantize:
-        quantize_model(model, lm_head=head)
+        quantize_model(model, lm_head=head, rotate_down=rotate)
         model.pack_weights()  # what load_model does after quantizing (fused decode off: int8 weights)
     return model, config
 
@@ -104,9 +105,9 @@ def main() -> None:
     text_ids = tok.encode(TEXT.read_text()).ids
     prompt_ids = [tok.encode(s).ids for s in PROMPTS]
     rows, ref_top1, ref_greedy = [], None, None
-    for name, (dtype, quantize, head) in VARIANTS.items():
+    for name, (dtype, quantize, head, rotate) in VARIANTS.items():
         t0 = time.perf_counter()
-        model, config = load(model_dir, dtype, quantize, head)
+        model, config = load(model_dir, dtype, quantize, head, rotate)
         tdtype = getattr(torch, dtype)
         logits = Sequence(model, config, tdtype, len(text_ids)).step(text_ids)
         nll = F.cross_entropy(logits[:-1], torch.tensor(text_ids[1:])).item()
@@ -117,7 +118,7 @@ def main() -> None:
         prefix = [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), NEW_TOKENS) / NEW_TOKENS
                   for o, r in zip(outs, ref_greedy)]  # fmt: skip
         row = {
-            "variant": name, "dtype": dtype, "quantize": "int8" if quantize else None, "int8_head": head,
+            "variant": name, "dtype": dtype, "quantize": "int8" if quantize else None, "int8_head": head, "rotate_down": rotate,
             "perplexity": math.exp(nll), "top1_agree_vs_fp32": (top1 == ref_top1).float().mean().item(),
             "greedy_prefix_agree_vs_fp32": sum(prefix) / len(prefix),
             "greedy_identical_vs_fp32": sum(o == r for o, r in zip(outs, ref_greedy)),

@@ -26,10 +26,14 @@ from pagemill.cpu_kernels.int8 import Int8LinearKernel, int8_kernel
 from pagemill.models.loader import load_model
 from pagemill.models.quantized_linear import (
     QuantizedLinear,
+    fwht_rows,
+    hadamard,
     pack_int8,
     quantize_rows,
     quantize_weight,
     reference_int8_linear,
+    rotate_weight,
+    rotation_block,
     unpack_int8,
 )
 
@@ -74,15 +78,34 @@ def test_weight_and_row_quantization():
     assert xq.tolist() == [[127, -32, 64]] and xs.tolist() == [pytest.approx(2 / 127)]
 
 
+def test_hadamard_rotation():
+    assert [rotation_block(k) for k in (1536, 128, 11008, 8, 14336, 576)] == [512, 128, 256, 0, 512, 64]
+    x = torch.randn(3, 48)
+    # The butterflies are H x per block of 16 (float32 rounding apart) ...
+    ref = (x.double().view(3, 3, 16) @ hadamard(16)).view(3, 48)
+    torch.testing.assert_close(fwht_rows(x, 16).double(), ref, rtol=1e-6, atol=1e-5)
+    # ... and the rotated weight undoes them: (W H^T / b) (H x) = W x.
+    w = torch.randn(5, 48)
+    torch.testing.assert_close(F.linear(fwht_rows(x, 16), rotate_weight(w, 16)), F.linear(x, w), rtol=1e-5, atol=1e-4)
+
+
+def _rotate_for(k: int) -> list[int]:
+    return [0] + ([rotation_block(k)] if rotation_block(k) else [])
+
+
 @needs_kernel
 @pytest.mark.parametrize("m,n,k", SHAPES)
 @pytest.mark.parametrize("bias", [False, True])
-def test_kernel_matches_reference_arithmetic(m, n, k, bias):
+@pytest.mark.parametrize("rotated", [False, True])
+def test_kernel_matches_reference_arithmetic(m, n, k, bias, rotated):
+    rotate = _rotate_for(k)[-1] if rotated else 0
+    if rotated and not rotate:
+        pytest.skip(f"K={k} has no Hadamard block")
     x, w, b = _case(m, n, k, bias)
-    lin = QuantizedLinear(w, b, kernel)
-    q, scale = quantize_weight(w)
+    lin = QuantizedLinear(w, b, kernel, rotate)
+    q, scale = quantize_weight(rotate_weight(w, rotate) if rotate else w)
     assert torch.equal(lin.int8_weight(), q)
-    ref = reference_int8_linear(x, q, scale, b)
+    ref = reference_int8_linear(x, q, scale, b, rotate)
     # Identical int32 sums; only the final scale-and-add rounds (fma in the kernel).
     torch.testing.assert_close(lin(x), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
 
@@ -119,10 +142,11 @@ def test_portable_build_gives_the_same_bits(m, n, k):
     portable = Int8LinearKernel(lib)
     assert not portable.vnni
     x, w, b = _case(m, n, k, True, seed=5)
-    lin = QuantizedLinear(w, b, kernel)
-    for rows in (x, x.bfloat16()):
-        ours = portable(rows.contiguous(), lin.qweight, lin.w_scale, lin.w_corr, lin.bias, n)
-        assert torch.equal(ours, lin(rows))
+    for rotate in _rotate_for(k):
+        lin = QuantizedLinear(w, b, kernel, rotate)
+        for rows in (x, x.bfloat16()):
+            ours = portable(rows.contiguous(), lin.qweight, lin.w_scale, lin.w_corr, lin.bias, n, rotate)
+            assert torch.equal(ours, lin(rows))
 
 
 @needs_kernel
@@ -131,18 +155,34 @@ def test_quantized_linear_close_to_float_linear():
     the output within 2% (relative Frobenius norm) of the float linear."""
     for m, n, k in [(1, 960, 576), (64, 576, 1536), (4, 3072, 576)]:
         x, w, b = _case(m, n, k, True, outlier=False)
-        y = QuantizedLinear(w, b, kernel)(x)
         ref = F.linear(x, w, b)
-        assert (y - ref).norm() / ref.norm() < 0.02
+        for rotate in _rotate_for(k):
+            y = QuantizedLinear(w, b, kernel, rotate)(x)
+            assert (y - ref).norm() / ref.norm() < 0.02
+
+
+@needs_kernel
+def test_rotation_tames_an_outlier_channel():
+    """Why down_proj is rotated: one channel 50x the rest. Unrotated, the row's scale rounds
+    the other channels coarsely; rotated, the outlier is spread over the block."""
+    x, w, b = _case(8, 256, 1536, False, outlier=False)
+    x[:, 7] = 150.0
+    ref = F.linear(x, w)
+    plain = (QuantizedLinear(w, None, kernel)(x) - ref).norm() / ref.norm()
+    rotated = (QuantizedLinear(w, None, kernel, 512)(x) - ref).norm() / ref.norm()
+    assert rotated < plain / 2, (plain, rotated)
 
 
 def test_torch_path_without_kernels_matches_reference():
     """--no-cpu-kernels (or no compiler): the same arithmetic in torch."""
-    x, w, b = _case(3, 40, 24, True)
-    lin = QuantizedLinear(w, b, None)
-    q, s = quantize_weight(w)
-    torch.testing.assert_close(lin(x), reference_int8_linear(x, q, s, b))
-    assert lin(x.half()).dtype == torch.float16
+    x, w, b = _case(3, 40, 32, True)
+    for rotate in (0, 32):
+        lin = QuantizedLinear(w, b, None, rotate)
+        q, s = quantize_weight(rotate_weight(w, rotate) if rotate else w)
+        torch.testing.assert_close(lin(x), reference_int8_linear(x, q, s, b, rotate))
+        assert lin(x.half()).dtype == torch.float16
+        if kernel is not None:
+            torch.testing.assert_close(QuantizedLinear(w, b, kernel, rotate)(x), lin(x), rtol=1e-6, atol=1e-5)
 
 
 def _logits(model, config, seqs, steps):
@@ -169,6 +209,7 @@ def test_quantized_model_logits_close_to_float(tiny_model, dtype, caplog):
     linears = [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj,
                model.lm_head]  # fmt: skip
     assert all(isinstance(m, QuantizedLinear) for m in linears)
+    assert [m.rotate for m in linears] == [0, 0, 0, rotation_block(config.intermediate_size), 0]
     assert model.model.fused is None, "the fused float32 decode must not read int8 weights"
     assert model.model.embed_tokens.weight.dtype == getattr(torch, dtype)
     # Same token histories for both (teacher forcing would need HF; here each greedy run is

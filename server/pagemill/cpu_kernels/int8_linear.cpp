@@ -71,17 +71,37 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's .
   return (uint16_t)(u >> 16);
 }
 
+// v <- H v for each block of `b` (a power of two) floats, H the unnormalized
+// Walsh-Hadamard matrix, by butterflies (quantized_linear.fwht_rows does the
+// same additions in the same order, so the results agree to the bit).
+void fwht_blocks(float* v, int64_t K, int64_t b) {
+  for (int64_t base = 0; base < K; base += b)
+    for (int64_t h = 1; h < b; h *= 2)
+      for (int64_t i = base; i < base + b; i += 2 * h)
+        for (int64_t j = i; j < i + h; ++j) {
+          const float p = v[j], q = v[j + h];
+          v[j] = p + q;
+          v[j + h] = p - q;
+        }
+}
+
 // One row of activations -> xu (offset by 128, K padded to Kp with the
-// offset, i.e. xq = 0) and its scale. Returns x_scale.
-float quantize_row(const void* x, bool bf16, int64_t K, int64_t Kp, uint8_t* xu, float* tmp) {
+// offset, i.e. xq = 0) and its scale. Returns x_scale. rotate > 0: the row
+// is first multiplied by the block Hadamard matrix (quantized_linear.py says
+// why); tmp holds K floats.
+float quantize_row(const void* x, bool bf16, int64_t K, int64_t Kp, int64_t rotate, uint8_t* xu, float* tmp) {
   const float* xf;
   if (bf16) {
     const uint16_t* h = (const uint16_t*)x;
     for (int64_t k = 0; k < K; ++k) tmp[k] = bf16_to_float(h[k]);
     xf = tmp;
+  } else if (rotate > 0) {
+    memcpy(tmp, x, (size_t)K * 4);
+    xf = tmp;
   } else {
     xf = (const float*)x;
   }
+  if (rotate > 0) fwht_blocks(tmp, K, rotate);
   float amax = 0.f;
   for (int64_t k = 0; k < K; ++k) amax = fmaxf(amax, fabsf(xf[k]));
   if (!(amax > 0.f) || !isfinite(amax)) {
@@ -248,10 +268,13 @@ int pagemill_int8_vnni() { return kVnni ? 1 : 0; }
 // x [M, K] float32 (x_bf16 = 0) or bfloat16 (1), rows contiguous; y [M, N]
 // of the same dtype. wq/w_scale/w_corr as packed by
 // models/quantized_linear.py (N padded to a multiple of 16, K to 4); bias
-// float32 [N] or null. Returns 0, or 1 on a bad shape (nothing written).
+// float32 [N] or null. rotate: 0, or the Hadamard block size (a power of
+// two dividing K) the weights were rotated with. Returns 0, or 1 on a bad
+// shape (nothing written).
 int pagemill_int8_linear(const void* x, int x_bf16, const int8_t* wq, const float* w_scale, const int32_t* w_corr,
-                         const float* bias, void* y, int64_t M, int64_t N, int64_t K, int threads) {
+                         const float* bias, void* y, int64_t M, int64_t N, int64_t K, int64_t rotate, int threads) {
   if (M < 0 || N <= 0 || K <= 0) return 1;
+  if (rotate < 0 || (rotate > 0 && ((rotate & (rotate - 1)) != 0 || K % rotate != 0))) return 1;
   if (M == 0) return 0;
   const int64_t Kp = (K + 3) / 4 * 4;
   std::vector<uint8_t> xu((size_t)(M * Kp));
@@ -261,10 +284,11 @@ int pagemill_int8_linear(const void* x, int x_bf16, const int8_t* wq, const floa
   // there are enough rows to pay for waking the team.
 #pragma omp parallel num_threads(threads) if (M >= 8)
   {
-    std::vector<float> tmp(x_bf16 ? (size_t)K : 0);
+    std::vector<float> tmp(x_bf16 || rotate > 0 ? (size_t)K : 0);
 #pragma omp for schedule(static)
     for (int64_t m = 0; m < M; ++m)
-      x_scale[m] = quantize_row((const char*)x + m * K * elem, x_bf16 != 0, K, Kp, xu.data() + m * Kp, tmp.data());
+      x_scale[m] = quantize_row((const char*)x + m * K * elem, x_bf16 != 0, K, Kp, rotate, xu.data() + m * Kp,
+                                 tmp.data());
   }
   const Args a{xu.data(), x_scale.data(), wq, w_scale, w_corr, bias, y, x_bf16 != 0, M, N, Kp};
   run(a, threads);

@@ -8,6 +8,16 @@ call, products summed in int32 and scaled back to the model dtype
 rotary, attention, the KV cache and the embedding lookup stay in the
 configured --dtype.
 
+The input of down_proj (SiLU(gate) * up) has a few channels far larger than
+the rest, and one scale per token then rounds most of the row to a handful of
+levels: on SmolLM2-135M this alone cost most of int8's perplexity increase
+(docs/quantization.md). As in QuaRot, that linear computes
+y = (W H^T / b) (H x) instead, H the b x b Walsh-Hadamard matrix applied per
+block of b input features (b the largest power of two up to 512 dividing K):
+H spreads each outlier over b channels before quantizing, W H^T / b is
+rotated once at load, and the kernel applies H to each row by butterflies
+(K log b additions, nothing next to the product).
+
 Why the output head too: SmolLM2-135M's tied 49152 x 576 head is a fifth of
 the model's weights, so a float head would keep most of a batch-1 step's
 bytes (see docs/quantization.md for the quality measured with and without).
@@ -44,6 +54,47 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.to(torch.int8), scale
 
 
+MAX_ROTATE = 512
+
+
+def rotation_block(k: int) -> int:
+    """Hadamard block for a K-feature input: the largest power of two <= MAX_ROTATE dividing k
+    (0 below 16: too small to spread anything)."""
+    b = 1
+    while b < MAX_ROTATE and k % (2 * b) == 0:
+        b *= 2
+    return b if b >= 16 else 0
+
+
+def hadamard(b: int) -> torch.Tensor:
+    """The unnormalized b x b Walsh-Hadamard matrix (Sylvester; symmetric, H H = b I), float64."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < b:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h
+
+
+def rotate_weight(w: torch.Tensor, b: int) -> torch.Tensor:
+    """W [N, K] -> W H^T / b per block of b input features (float64 inside), so that
+    rotated(W) @ (H x) = W @ x."""
+    n, k = w.shape
+    return ((w.double().view(n, k // b, b) @ hadamard(b)) / b).view(n, k).to(w.dtype)
+
+
+def fwht_rows(x: torch.Tensor, b: int) -> torch.Tensor:
+    """x [M, K] float32 -> H x per block of b: the kernel's butterflies, same additions in the
+    same order (bitwise equal results)."""
+    m, k = x.shape
+    v = x.float().reshape(m * (k // b), b)
+    h = 1
+    while h < b:
+        v = v.view(-1, b // (2 * h), 2, h)
+        p, q = v[:, :, 0], v[:, :, 1]
+        v = torch.stack((p + q, p - q), dim=2).view(-1, b)
+        h *= 2
+    return v.view(m, k)
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's activation quantization in torch: x [M, K] -> (int8 [M, K], float32 scale [M])."""
     x = x.float()
@@ -70,11 +121,11 @@ def unpack_int8(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def reference_int8_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tensor,
-                          bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
-    """The kernel's arithmetic in torch (float32 result): int8 rows x int8 weights summed
-    exactly (float64 holds every int32 sum), then scaled. Used without a compiler and as
-    the tests' reference."""
-    xq, x_scale = quantize_rows(x)
+                          bias: torch.Tensor | None, rotate: int = 0) -> torch.Tensor:  # fmt: skip
+    """The kernel's arithmetic in torch (float32 result): rows rotated (rotate > 0), int8 rows x
+    int8 weights summed exactly (float64 holds every int32 sum), then scaled. Used without a
+    compiler and as the tests' reference."""
+    xq, x_scale = quantize_rows(fwht_rows(x, rotate) if rotate else x)
     acc = (xq.double() @ q.double().T).float()
     y = acc * (x_scale[:, None] * w_scale[None, :])
     return y if bias is None else y + bias
@@ -83,10 +134,15 @@ def reference_int8_linear(x: torch.Tensor, q: torch.Tensor, w_scale: torch.Tenso
 class QuantizedLinear(nn.Module):
     """A linear with int8 weights; forward takes and returns the model dtype."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Int8LinearKernel | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernel: Int8LinearKernel | None,
+                 rotate: int = 0) -> None:  # fmt: skip
+        """rotate: Hadamard block applied to the inputs (0: none; see the module docstring)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        q, scale = quantize_weight(weight)
+        if rotate and (rotate & (rotate - 1) or self.in_features % rotate):
+            raise ValueError(f"rotate={rotate} is not a power of two dividing in_features={self.in_features}")
+        self.rotate = rotate
+        q, scale = quantize_weight(rotate_weight(weight.detach().float(), rotate) if rotate else weight)
         self.kernel = kernel
         n_pad = -(-self.out_features // BLOCK_N) * BLOCK_N
         # Parameters, not buffers: fused_decode's dtype check then sees int8 and
@@ -103,7 +159,7 @@ class QuantizedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous())
 
     def int8_weight(self) -> torch.Tensor:
-        """The int8 weight [out, in] (unpacked view where packed)."""
+        """The int8 weight [out, in] (unpacked view where packed; rotated where rotate > 0)."""
         if self.kernel is None:
             return self.qweight
         return unpack_int8(self.qweight, self.out_features, self.in_features)
@@ -114,20 +170,23 @@ class QuantizedLinear(nn.Module):
         if rows.dtype not in (torch.float32, torch.bfloat16):
             rows = rows.float()  # float16: the kernel reads float32 or bfloat16
         if self.kernel is not None:
-            y = self.kernel(rows.contiguous(), self.qweight, self.w_scale, self.w_corr, self.bias, self.out_features)
+            y = self.kernel(rows.contiguous(), self.qweight, self.w_scale, self.w_corr, self.bias, self.out_features,
+                            self.rotate)  # fmt: skip
         else:
-            y = reference_int8_linear(rows, self.qweight, self.w_scale[: self.out_features], self.bias)
+            y = reference_int8_linear(rows, self.qweight, self.w_scale[: self.out_features], self.bias, self.rotate)
         return y.to(dtype).reshape(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         path = "reference (torch)" if self.kernel is None else ("vnni" if self.kernel.vnni else "portable")
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8, {path}"
+        rot = f", hadamard {self.rotate}" if self.rotate else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8{rot}, {path}"
 
 
-def quantize_model(model: nn.Module, cpu_kernels: bool = True, lm_head: bool = True,
+def quantize_model(model: nn.Module, cpu_kernels: bool = True, lm_head: bool = True, rotate_down: bool = True,
                    kernel: Int8LinearKernel | None = None) -> int:  # fmt: skip
     """Replaces the decoder's linears (and with lm_head the output head) by QuantizedLinears;
     returns how many. cpu_kernels=False (or no compiler) computes the same arithmetic in torch.
+    rotate_down: Hadamard-rotate down_proj's inputs (the default; off only to measure it).
     kernel: the compiled kernel to use (default: the process-wide one)."""
     if kernel is None and cpu_kernels:
         from pagemill.cpu_kernels.int8 import int8_kernel
@@ -138,7 +197,8 @@ def quantize_model(model: nn.Module, cpu_kernels: bool = True, lm_head: bool = T
     for name, m in targets:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, QuantizedLinear(m.weight, m.bias, kernel))
+        rotate = rotation_block(m.in_features) if rotate_down and name.endswith("mlp.down_proj") else 0
+        setattr(parent, leaf, QuantizedLinear(m.weight, m.bias, kernel, rotate))
     path = "torch reference" if kernel is None else ("AVX512-VNNI" if kernel.vnni else "portable C++")
     log.info("quantize int8: %d linears (output head %s), %s kernel", len(targets),
              "included" if lm_head else "kept in the model dtype", path)  # fmt: skip
