@@ -118,7 +118,8 @@ def main() -> None:
         prefix = [next((i for i, (x, y) in enumerate(zip(o, r)) if x != y), NEW_TOKENS) / NEW_TOKENS
                   for o, r in zip(outs, ref_greedy)]  # fmt: skip
         row = {
-            "variant": name, "dtype": dtype, "quantize": "int8" if quantize else None, "int8_head": head, "rotate_down": rotate,
+            "variant": name, "dtype": dtype, "quantize": "int8" if quantize else None, "int8_head": head,
+            "rotate_down": rotate,
             "perplexity": math.exp(nll), "top1_agree_vs_fp32": (top1 == ref_top1).float().mean().item(),
             "greedy_prefix_agree_vs_fp32": sum(prefix) / len(prefix),
             "greedy_identical_vs_fp32": sum(o == r for o, r in zip(outs, ref_greedy)),
@@ -137,7 +138,8 @@ def main() -> None:
         print(f"| {r['variant']} | {r['perplexity']:.3f} | {r['top1_agree_vs_fp32']:.3f} | "
               f"{r['greedy_prefix_agree_vs_fp32']:.3f} | {r['greedy_identical_vs_fp32']}/{len(PROMPTS)} |")  # fmt: skip
     out = {"model_dir": model_dir, "text": TEXT.name, "text_tokens": len(text_ids), "prompts": PROMPTS,
-           "new_tokens": NEW_TOKENS, "cpu_flags": cpu_flags(), "machine": platform.processor(), "rows": rows}  # fmt: skip
+           "new_tokens": NEW_TOKENS, "cpu_flags": cpu_flags(), "machine": platform.processor(),
+           "rows": rows}  # fmt: skip
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)
     Path(a.json).write_text(json.dumps(out, indent=1))
     print(f"wrote {a.json}")
