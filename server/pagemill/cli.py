@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from pagemill.config import ShardConfig
+from pagemill.config import QUANTIZE_METHODS, ShardConfig
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 10**6,
           "mib": 1 << 20, "g": 1 << 30, "gb": 10**9, "gib": 1 << 30}
@@ -43,6 +43,9 @@ def _add_shard_args(p: argparse.ArgumentParser) -> None:
                         "sequences, single-row matvec, in-place paged attention (needs a C++ compiler; docs/cpu.md)")
     p.add_argument("--cuda-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay decode steps from CUDA graphs captured at warmup (CUDA only; not with --speculate)")
+    p.add_argument("--quantize", default=None, choices=list(QUANTIZE_METHODS),
+                   help="int8: int8 weights per output channel and int8 activations per token for every "
+                        "linear, output head included (CPU, one shard; docs/quantization.md)")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8_e4m3", "fp8_e5m2"],
                    help="KV cache storage: auto (the model dtype) or fp8, which holds twice the tokens of bf16")
 
@@ -165,6 +168,7 @@ def shard_config(a: argparse.Namespace, model_dir: str, uds_path: str, rank: int
         gpu_memory_utilization=a.gpu_memory_utilization, attention=a.attention, num_threads=a.num_threads,
         speculate=a.speculate, speculate_method=a.speculate_method, draft_model=a.draft_model,
         cuda_graphs=a.cuda_graphs, kv_cache_dtype=a.kv_cache_dtype, cpu_kernels=a.cpu_kernels,
+        quantize=a.quantize,
     )
 
 

@@ -32,4 +32,22 @@ class ShardConfig:
     cuda_graphs: bool = True
     # Compiled float32/bfloat16 CPU decode kernels (cpu_kernels/, docs/cpu.md).
     cpu_kernels: bool = True
+    # None, or "int8": int8 linears on the CPU (models/quantized_linear.py, docs/quantization.md).
+    quantize: str | None = None
     kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 | fp8_e5m2 (attention/kv_dtype.py)
+
+
+QUANTIZE_METHODS = ("int8",)
+
+
+def check_quantize(method: str | None, device_type: str, world_size: int) -> None:
+    """Raises ValueError where `--quantize method` cannot run; None (no quantization) always can.
+    Here, without torch, so that the launcher rejects a bad combination before starting shards."""
+    if method is None:
+        return
+    if method not in QUANTIZE_METHODS:
+        raise ValueError(f"unknown quantization {method!r}; choose one of {', '.join(QUANTIZE_METHODS)}")
+    if device_type != "cpu":
+        raise ValueError(f"--quantize {method} runs on the CPU only (got --device {device_type})")
+    if world_size != 1:
+        raise ValueError(f"--quantize {method} does not support tensor parallelism (got {world_size} shards)")

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pagemill.cli import API_KEY_ENV, api_key, router_argv
 from pagemill.models.auto_dtype import resolve_dtype
+from pagemill.config import check_quantize
 
 _PR_SET_PDEATHSIG = 1
 
@@ -147,6 +148,7 @@ class Launcher:
         socks = [os.path.join(sock_dir, f"shard-{r}.sock") for r in range(a.num_shard)]
         if a.num_shard < 1:
             raise ValueError(f"--num-shard must be >= 1, got {a.num_shard}")
+        check_quantize(a.quantize, a.device.split(":")[0], a.num_shard)  # before any shard loads
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         threads = _threads_per_shard(a)
         for rank, sock in enumerate(socks):
@@ -163,6 +165,8 @@ class Launcher:
                     "--speculate", str(a.speculate), "--speculate-method", a.speculate_method,
                     "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs", "--kv-cache-dtype", a.kv_cache_dtype,
                     "--cpu-kernels" if a.cpu_kernels else "--no-cpu-kernels"]
+            if a.quantize:
+                argv += ["--quantize", a.quantize]
             if a.draft_model:  # a .gguf draft is converted like the target
                 cache = Path(a.cache_dir) if a.cache_dir else None
                 argv += ["--draft-model", str(resolve_model(a.draft_model, cache_dir=cache))]

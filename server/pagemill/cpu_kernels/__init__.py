@@ -3,6 +3,8 @@
 - matvec.cpp: the matrix-vector product of single-row linears.
 - decode.cpp: a whole decoder layer for one token, and paged attention for a
   batch of single-token queries (each file says why).
+- int8_linear.cpp: the int8-weight, int8-activation linear of `--quantize int8`
+  (wrapped by int8.py).
 
 Each in float32 and bfloat16 (bf16_rows.h: AVX512-BF16 dot products where the
 CPU has them, else widened to float32; a scalar fallback without AVX-512).
@@ -35,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp"]
+_SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
@@ -164,6 +166,7 @@ def _load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 def _build(cxx: str, flags: list[str]) -> Path:
     source = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
+    flags = [*_FLAGS, *extra_flags]
     # -march=native: the binary is only valid for this CPU, so its flags are part of the key.
     key = hashlib.sha256(source + " ".join([cxx, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEMILL_KERNEL_CACHE") or Path.home() / ".cache" / "pagemill" / "kernels")

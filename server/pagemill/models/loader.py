@@ -11,8 +11,10 @@ import torch
 from safetensors import safe_open
 
 from pagemill.attention.backend import AttentionBackend
+from pagemill.config import check_quantize
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from pagemill.models.quantized_linear import quantize_model
 from pagemill.parallel.group import ParallelGroup
 from pagemill.parallel.partition import Range
 
@@ -57,11 +59,14 @@ def load_model(
     backend: AttentionBackend | None = None,
     group: ParallelGroup | None = None,
     cpu_kernels: bool = True,
+    quantize: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """group: this rank's tensor-parallel group; the rank then reads only its slices.
-    cpu_kernels: use the compiled CPU decode kernels (matvec, fused small-batch decode; docs/cpu.md)."""
+    cpu_kernels: use the compiled CPU decode kernels (matvec, fused small-batch decode; docs/cpu.md).
+    quantize: None, or "int8" for int8 linears (models/quantized_linear.py; CPU, one shard)."""
     config = ModelConfig.from_model_dir(model_dir)
     dtype, device = parse_dtype(dtype), torch.device(device)
+    check_quantize(quantize, device.type, group.world_size if group is not None else 1)
     # Build on the meta device: no time spent on random init we would overwrite.
     with torch.device("meta"):
         model = LlamaForCausalLM(config, backend, group).to(dtype)
@@ -69,6 +74,8 @@ def load_model(
     model.tie_weights()  # to_empty created fresh parameters
     load_weights(model, safetensors_files(model_dir))
     model.eval().requires_grad_(False)
+    if quantize is not None:
+        quantize_model(model, cpu_kernels)
     model.pack_weights(cpu_kernels)  # CPU float32/bf16 only; see models/packed_linear.py
     if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
         log.warning(

@@ -115,7 +115,7 @@ class ModelRunner:
         dtype, why = resolve_dtype(cfg.dtype, device)
         log.info("dtype %s (%s)", dtype, why)
         model, config = load_model(cfg.model_dir, parse_dtype(dtype), device, backend, group,
-                                   cpu_kernels=cfg.cpu_kernels)
+                                   cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize)
         draft = None
         if cfg.speculate > 0 and cfg.speculate_method == "draft":
             if not cfg.draft_model:
