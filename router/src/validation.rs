@@ -306,3 +306,76 @@ impl Validation {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use super::*;
+    use crate::http::types::SamplingExtras;
+
+    /// A word-level tokenizer over "a b c" and a model vocabulary of 10 ids.
+    fn validation() -> Validation {
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "c": 2, "[UNK]": 3}, "unk_token": "[UNK]"}}"#;
+        let limits = Limits {
+            max_input_tokens: 16,
+            max_total_tokens: 32,
+            max_stop_sequences: 4,
+            max_top_n_tokens: 5,
+            default_max_new_tokens: 8,
+            max_best_of: 2,
+            vocab_size: 10,
+        };
+        Validation::new(Arc::new(Tokenizer::from_str(json).unwrap()), limits)
+    }
+
+    fn with(extras: SamplingExtras) -> GenerateParameters {
+        GenerateParameters { max_new_tokens: Some(4), extras, ..Default::default() }
+    }
+
+    async fn check(ids: Option<Vec<u32>>, p: GenerateParameters) -> Result<ValidRequest, RouterError> {
+        validation().validate("a b".into(), ids, p, true).await
+    }
+
+    #[tokio::test]
+    async fn token_id_prompts_are_used_as_given_within_the_vocabulary() {
+        let r = check(Some(vec![9, 0, 9]), with(Default::default())).await.unwrap();
+        assert_eq!(r.input_ids, vec![9, 0, 9]);
+        let e = check(Some(vec![1, 10]), with(Default::default())).await.unwrap_err();
+        assert_eq!(e.param().as_deref(), Some("prompt"), "{e}");
+        assert!(check(Some(vec![]), with(Default::default())).await.is_err());
+        assert_eq!(check(None, with(Default::default())).await.unwrap().input_ids, vec![0, 1]);
+    }
+
+    #[tokio::test]
+    async fn logit_bias_keys_are_token_ids_and_values_in_range() {
+        let bias = |k: &str, v: f32| with(SamplingExtras { logit_bias: vec![(k.into(), v)], ..Default::default() });
+        let r = check(None, bias("7", -100.0)).await.unwrap();
+        assert_eq!(r.parameters.logit_bias.get(&7), Some(&-100.0));
+        for (k, v) in [("abc", 1.0), ("10", 1.0), ("-1", 1.0), ("3", 100.5), ("3", f32::NAN), ("3", f32::INFINITY)] {
+            let e = check(None, bias(k, v)).await.unwrap_err();
+            assert_eq!(e.param().as_deref(), Some("logit_bias"), "{k} {v}: {e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn stop_token_ids_and_min_tokens() {
+        let stops = |ids: Vec<i64>| with(SamplingExtras { stop_token_ids: ids, ..Default::default() });
+        assert_eq!(check(None, stops(vec![2, 9])).await.unwrap().stop_token_ids, vec![2, 9]);
+        for bad in [vec![-1], vec![10], vec![1; MAX_TOKEN_ID_LIST + 1]] {
+            let e = check(None, stops(bad)).await.unwrap_err();
+            assert_eq!(e.param().as_deref(), Some("stop_token_ids"), "{e}");
+        }
+        let min = |m: i64| with(SamplingExtras { min_new_tokens: Some(m), ..Default::default() });
+        assert_eq!(check(None, min(4)).await.unwrap().min_new_tokens, 4);
+        for bad in [5, -1] {
+            let e = check(None, min(bad)).await.unwrap_err();
+            assert_eq!(e.param().as_deref(), Some("min_tokens"), "{e}");
+        }
+        let mut p = min(2);
+        p.grammar = Some(crate::grammar::GrammarParam::Json(serde_json::json!({})));
+        assert!(check(None, p).await.is_err());
+    }
+}

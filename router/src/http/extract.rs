@@ -59,7 +59,7 @@ where
             return Err(RouterError::InvalidJson("the body must be a JSON object".into()));
         };
         if let Some(key) = object.keys().find(|k| !T::FIELDS.contains(&k.as_str()) && !SAMPLING_FIELDS.contains(&k.as_str())) {
-            return Err(RouterError::Validation(format!("`{key}` is not a supported field of this route")));
+            return Err(RouterError::InvalidJson(format!("`{key}`: unknown field, not supported by this route")));
         }
         serde_path_to_error::deserialize(&value).map(OpenAiJson).map_err(|e| {
             let path = e.path().to_string();
@@ -88,7 +88,7 @@ mod tests {
     #[tokio::test]
     async fn unknown_fields_are_named() {
         let e = parse::<CompletionRequest>(r#"{"prompt": "a", "frobnicate": 1}"#).await.unwrap_err();
-        assert!(matches!(&e, RouterError::Validation(m) if m.starts_with("`frobnicate`")), "{e}");
+        assert!(matches!(&e, RouterError::InvalidJson(m) if m.starts_with("`frobnicate`")), "{e}");
         let e = parse::<ChatCompletionRequest>(r#"{"messages": [{"role": "user", "content": "a", "foo": 1}]}"#)
             .await
             .unwrap_err();
