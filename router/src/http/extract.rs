@@ -7,7 +7,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use serde::de::DeserializeOwned;
 
-use super::openai::types::{OpenAiBody, SAMPLING_FIELDS};
+use super::openai::types::{OpenAiBody, SamplingParams, SAMPLING_FIELDS};
 use crate::error::RouterError;
 
 pub struct JsonBody<T>(pub T);
@@ -61,18 +61,25 @@ where
         if let Some(key) = object.keys().find(|k| !T::FIELDS.contains(&k.as_str()) && !SAMPLING_FIELDS.contains(&k.as_str())) {
             return Err(RouterError::InvalidJson(format!("`{key}`: unknown field, not supported by this route")));
         }
-        serde_path_to_error::deserialize(&value).map(OpenAiJson).map_err(|e| {
-            let path = e.path().to_string();
-            let inner = e.inner().to_string();
-            // Name the field itself: for an unknown nested field, path is its parent.
-            let field = match inner.strip_prefix("unknown field `").and_then(|r| r.split('`').next()) {
-                Some(name) if path == "." => name.to_string(),
-                Some(name) => format!("{path}.{name}"),
-                None => path,
-            };
-            RouterError::InvalidJson(format!("`{field}`: {inner}"))
-        })
+        // The shared fields first, on their own: inside the flattened body serde
+        // buffers them, and a type error there would come without its path.
+        serde_path_to_error::deserialize::<_, SamplingParams>(&value).map_err(named)?;
+        serde_path_to_error::deserialize(&value).map(OpenAiJson).map_err(named)
     }
+}
+
+/// A serde error as a 400 whose message starts with the field's path.
+fn named(e: serde_path_to_error::Error<serde_json::Error>) -> RouterError {
+    let path = e.path().to_string();
+    let inner = e.inner().to_string();
+    // Name the field itself: for an unknown nested field the path may stop at its parent.
+    let field = match inner.strip_prefix("unknown field `").and_then(|r| r.split('`').next()) {
+        Some(name) if path == "." => name.to_string(),
+        Some(name) if path.rsplit(['.', ']']).next() == Some(name) => path,
+        Some(name) => format!("{path}.{name}"),
+        None => path,
+    };
+    RouterError::InvalidJson(format!("`{field}`: {inner}"))
 }
 
 #[cfg(test)]
