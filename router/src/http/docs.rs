@@ -107,7 +107,8 @@ mod tests {
         let spec = serde_json::to_value(ApiDoc::openapi()).unwrap();
         for (name, own) in [("CompletionRequest", CompletionRequest::FIELDS), ("ChatCompletionRequest", ChatCompletionRequest::FIELDS)] {
             let documented = properties(&spec, &spec["components"]["schemas"][name]);
-            let accepted = own.iter().chain(SAMPLING_FIELDS).map(|s| s.to_string()).collect();
+            let accepted: std::collections::BTreeSet<String> =
+                own.iter().chain(SAMPLING_FIELDS).map(|s| s.to_string()).collect();
             assert_eq!(documented, accepted, "{name}");
         }
     }
