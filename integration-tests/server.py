@@ -93,6 +93,11 @@ def error_code(body: dict) -> str:
     return body["error"]["code"] if isinstance(body.get("error"), dict) else body["error_type"]
 
 
+def error_message(body: dict) -> str:
+    """The error text of either shape (TGI's `error`, OpenAI's `error.message`)."""
+    return body["error"]["message"] if isinstance(body.get("error"), dict) else body["error"]
+
+
 def sse_events(response: httpx.Response):
     """Parses `data:` lines of a TGI SSE stream into dicts."""
     for line in response.iter_lines():

@@ -1,7 +1,7 @@
 """Hand-written hostile input: oversized and deeply nested bodies, invalid
 UTF-8, NaN/inf and out-of-range numbers, thousands of stop sequences, prompts
 at and just over the token limits, malformed chat messages. Every answer is
-a 4xx `{error, error_type}` (or a correct 200), never a 5xx; valid requests
+a 4xx in the route's error shape (or a correct 200), never a 5xx; valid requests
 interleaved from another thread all succeed; the router never panics."""
 
 import json
@@ -11,7 +11,7 @@ import httpx
 import pytest
 
 from reliability import check, request, stopped_after, wait_idle
-from server import launch
+from server import error_message, launch
 
 MAX_INPUT, MAX_TOTAL, PAYLOAD = 64, 128, 512 * 1000
 NEST = 100_000
@@ -197,7 +197,7 @@ def test_thousands_of_stop_sequences_are_422(hostile, route, count):
             "/v1/chat/completions": {"messages": [{"role": "user", "content": "a"}], "stop": stops}}[route]
     r = httpx.post(hostile.url + route, json=body, timeout=60)
     assert_error(r, 422, "validation")
-    assert "stop" in r.json()["error"]
+    assert "stop" in error_message(r.json())
 
 
 def test_long_and_odd_stop_sequences_still_generate(hostile):
@@ -247,7 +247,7 @@ def test_prompt_one_over_the_limits(hostile):
     for route, body, needle in cases:
         r = httpx.post(hostile.url + route, json=body, timeout=60)
         assert_error(r, 422, "validation")
-        assert needle in r.json()["error"], (route, r.text)
+        assert needle in error_message(r.json()), (route, r.text)
     # `truncate` keeps the last tokens: the same prompt is fine then.
     r = httpx.post(f"{hostile.url}/generate", timeout=60,
                    json={"inputs": over * 100, "parameters": {"max_new_tokens": 2, "truncate": MAX_INPUT}})
@@ -330,19 +330,19 @@ def test_broken_template_at_render_time_is_422(tiny_model_dir, tmp_path):
     for f in tiny_model_dir.iterdir():
         shutil.copy(f, tmp_path / f.name)
     (tmp_path / "chat_template.jinja").write_text(
-        "{% for m in messages %}{% if m.role == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
+        "{% for m in messages %}{% if m.content == 'boom' %}{{ raise_exception('no boom here') }}{% endif %}"
         "{{ m.content.upper() }}{{ m.missing.deeper }}{% endfor %}")
     s = launch(str(tmp_path), "--kv-cache-memory", "64MiB")
     try:
-        for messages in ([{"role": "boom", "content": "a"}], [{"role": "user", "content": "a"}]):
+        for messages in ([{"role": "user", "content": "boom"}], [{"role": "user", "content": "a"}]):
             r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": messages, "max_tokens": 2}, timeout=60)
-            assert r.status_code in (200, 422), r.text
-            if r.status_code == 422:
+            assert r.status_code in (200, 400), r.text
+            if r.status_code == 400:
                 assert_error(r, 422, "validation")
-        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "boom", "content": "a"}]},
+        r = httpx.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "boom"}]},
                        timeout=60)
         assert_error(r, 422, "validation")
-        assert "no boom here" in r.json()["error"]
+        assert "no boom here" in error_message(r.json())
         path, body = request("generate", 1, 3)
         r = httpx.post(s.url + path, json=body, timeout=60)
         check("generate", 3, r.status_code, r.content)
