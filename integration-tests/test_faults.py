@@ -80,7 +80,7 @@ def test_shard_killed_mid_batch_fails_every_request_and_the_launcher(tiny_model_
             assert "[DONE]" not in events
         for r in whole_results:
             assert r.status_code == 424, r.text
-            assert r.json()["error_type"] == "generation"
+            assert error_code(r.json()) == "generation"
         print(f"\nshard kill: 5 in-flight requests failed with `generation` within {failed_in:.2f}s; "
               f"/health then {health.status_code} {health.json()}; launcher exit code {code}")
         assert failed_in < 30, f"requests took {failed_in:.1f}s to fail"
