@@ -91,6 +91,16 @@ def launch(model: str, *extra: str, timeout: float = 300, env: dict | None = Non
     raise TimeoutError(f"server not ready after {timeout}s:\n{server.logs()}")
 
 
+def error_code(body: dict) -> str:
+    """TGI's `error_type`, or `error.code` of the OpenAI routes' error shape (the same names)."""
+    return body["error"]["code"] if isinstance(body.get("error"), dict) else body["error_type"]
+
+
+def error_message(body: dict) -> str:
+    """The error text of either shape (TGI's `error`, OpenAI's `error.message`)."""
+    return body["error"]["message"] if isinstance(body.get("error"), dict) else body["error"]
+
+
 def sse_events(response: httpx.Response):
     """Parses `data:` lines of a TGI SSE stream into dicts."""
     for line in response.iter_lines():

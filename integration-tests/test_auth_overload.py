@@ -9,7 +9,7 @@ import openai
 import pytest
 
 import pagemill_client
-from server import HOLD_ARGS, HOLD_TOKENS, launch
+from server import HOLD_ARGS, HOLD_TOKENS, error_code, launch
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -39,7 +39,7 @@ def locked(tiny_model_dir, tmp_path_factory):
 def test_generation_routes_need_the_key(locked, path, body, headers):
     r = httpx.post(locked.url + path, json=body, headers=headers, timeout=30)
     assert r.status_code == 401, r.text
-    assert r.json()["error_type"] == "unauthorized"
+    assert error_code(r.json()) == "unauthorized"
 
 
 def test_key_opens_generation_and_ops_stay_open(locked):
@@ -76,11 +76,11 @@ def test_clients_raise_authentication_errors(locked):
     assert ok.generated_text is not None
 
 
-def test_broken_chat_template_is_422_and_generate_still_works(locked):
+def test_broken_chat_template_is_400_and_generate_still_works(locked):
     r = httpx.post(f"{locked.url}/v1/chat/completions", headers=AUTH, timeout=30,
                    json={"messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 422, r.text
-    assert r.json()["error_type"] == "validation" and "template" in r.json()["error"]
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["code"] == "validation" and "template" in r.json()["error"]["message"]
     assert locked.info()["has_chat_template"] is False
 
 

@@ -57,7 +57,7 @@ def test_queue_wait_is_bounded_and_frees_the_queue(one_slot):
             events = [json.loads(x[5:]) for x in s.iter_lines() if x.startswith("data:")]
         assert events == [{"error": events[0]["error"], "error_type": "queue_timeout"}], events
         r = httpx.post(f"{one_slot.url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, timeout=60)
-        assert r.status_code == 429 and r.json()["error_type"] == "queue_timeout"
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_timeout"
         info = one_slot.info()
         assert info["queue_size"] == 0 and info["batch_size"] == 1, info
     finally:

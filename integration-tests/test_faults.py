@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from reliability import check, request, stopped_after, wait_idle
-from server import HOLD_ARGS, HOLD_TOKENS, launch
+from server import HOLD_ARGS, HOLD_TOKENS, error_code, launch
 
 LONG = {"max_new_tokens": HOLD_TOKENS, "ignore_eos_token": True}
 
@@ -76,11 +76,11 @@ def test_shard_killed_mid_batch_fails_every_request_and_the_launcher(tiny_model_
 
         for events in stream_results:
             last = events[-1]
-            assert isinstance(last, dict) and last.get("error_type") == "generation", last
+            assert isinstance(last, dict) and error_code(last) == "generation", last
             assert "[DONE]" not in events
         for r in whole_results:
             assert r.status_code == 424, r.text
-            assert r.json()["error_type"] == "generation"
+            assert error_code(r.json()) == "generation"
         print(f"\nshard kill: 5 in-flight requests failed with `generation` within {failed_in:.2f}s; "
               f"/health then {health.status_code} {health.json()}; launcher exit code {code}")
         assert failed_in < 30, f"requests took {failed_in:.1f}s to fail"
@@ -173,7 +173,7 @@ def test_sigterm_drains_accepted_requests_and_refuses_new_ones(tiny_model_dir):
             assert refused.json()["error_type"] == "shutting_down"
             assert c.get(f"{s.url}/health").status_code == 503
             r = c.post(f"{s.url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "late"}]})
-            assert r.status_code == 503 and r.json()["error_type"] == "shutting_down"
+            assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
             assert not any(f.done() for f in accepted), "the load finished before the drain was tested"
             results = [f.result(timeout=90) for f in accepted]
         for flavour, status, body in results:

@@ -31,6 +31,16 @@ def test_error_type_picks_the_class(error_type, status, cls):
     assert type(e) is cls and e.message == "boom" and e.status == status and e.error_type == error_type
 
 
+def test_openai_shape_is_read_too():
+    e = from_body({"error": {"message": "`top_p` bad", "type": "invalid_request_error", "param": "top_p",
+                             "code": "validation"}}, 400)
+    assert type(e) is pc.ValidationError and e.param == "top_p" and e.error_type == "validation"
+    assert e.message == "`top_p` bad" and e.status == 400
+    with pytest.raises(pc.GenerationError):
+        _sse_payload('data: {"error": {"message": "shard died", "type": "server_error", "param": null, '
+                     '"code": "generation"}}')
+
+
 def test_status_is_the_fallback():
     assert isinstance(from_body("gateway said no", 429), pc.OverloadedError)
     assert isinstance(from_body({"detail": "x"}, 401), pc.AuthenticationError)

@@ -278,3 +278,74 @@ def test_eos_ids_from_generation_config_and_ignore_eos(tmp_path):
     assert out["ids"] == ref[: ref.index(eos) + 1] and out["finish"] == pb.FINISH_REASON_EOS_TOKEN
     out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 8, ignore_eos=True)[0]
     assert out["ids"] == ref and out["finish"] == pb.FINISH_REASON_LENGTH
+
+
+def test_logit_bias_shifts_logits_per_row_and_forces_a_token():
+    logits = random_logits(3, seed=21)
+    weakest = int(logits[0].argmin())
+    rows = [Row(SamplingParams(logit_bias=((weakest, 100.0),))),  # greedy: +100 wins
+            Row(SamplingParams(logit_bias=((int(logits[1].argmax()), -100.0),))),  # the argmax is pushed out
+            Row(SamplingParams())]  # fmt: skip
+    out = Sampler(seed=0)(logits, rows)
+    assert out.token_ids[0] == weakest
+    second = int(logits[1].topk(2).indices[1])
+    assert out.token_ids[1] == second and out.token_ids[2] == int(logits[2].argmax())
+    # Reported logprobs are of the biased distribution, as the request shaped it.
+    biased = logits[0].clone()
+    biased[weakest] += 100.0
+    assert out.logprobs[0] == pytest.approx(biased.log_softmax(-1)[weakest].item(), abs=1e-5)
+    assert torch.equal(logits, random_logits(3, seed=21))  # the caller's tensor is left alone
+
+
+def test_logit_bias_applies_before_temperature_and_warpers():
+    from pagemill.sampling import apply_logit_bias
+
+    logits = random_logits(2, seed=22)
+    params = [SamplingParams(logit_bias=((3, 2.5), (7, -1.0))), SamplingParams()]
+    shifted = apply_logit_bias(logits, params)
+    expected = logits.clone()
+    expected[0, 3] += 2.5
+    expected[0, 7] -= 1.0
+    torch.testing.assert_close(shifted, expected)
+    p = SamplingParams(do_sample=True, temperature=0.5, top_k=4, logit_bias=((3, 2.5),), seed=9)
+    probs = Sampler(seed=0).target_probs(Sampler(seed=0).shape(logits[:1], [Row(p)]), [Row(p)])
+    torch.testing.assert_close(probs[0], hf_warp(expected[0], p).softmax(-1))
+
+
+def test_banned_tokens_cannot_be_drawn_but_keep_their_logprob():
+    logits = random_logits(2, seed=23)
+    best = int(logits[0].argmax())
+    rows = [Row(SamplingParams()), Row(SamplingParams(do_sample=True, seed=3)).seeded()]
+    top = logits[1].topk(3).indices.tolist()
+    out = Sampler(seed=0)(logits, rows, banned={0: [best], 1: [t for t in range(VOCAB) if t not in top]})
+    assert out.token_ids[0] == int(logits[0].topk(2).indices[1])
+    assert out.token_ids[1] in top
+    assert out.logprobs[0] == pytest.approx(logits[0].log_softmax(-1)[out.token_ids[0]].item(), abs=1e-5)
+
+
+def test_logit_bias_from_proto():
+    p = SamplingParams.from_pb(pb.NextTokenChooserParameters(logit_bias={504: 100.0, 7: -3.5}))
+    assert p.logit_bias == ((7, -3.5), (504, 100.0))
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams.from_pb(pb.NextTokenChooserParameters(logit_bias={1: float("inf")}))
+
+
+def test_stop_token_ids_and_min_new_tokens_on_the_shard(tmp_path):
+    from conftest import build_model_dir
+    from test_speculative import Driver, make_runner
+
+    model_dir = build_model_dir(str(tmp_path), "llama_gqa")
+    ref = Driver(make_runner(model_dir)).run([[5, 6, 7]], 10)[0]["ids"]
+    stop = next(t for t in ref[2:] if t not in ref[:2])  # first occurrence at some index >= 2
+    at = ref.index(stop)
+    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 10, stop_token_ids=[stop])[0]
+    assert out["ids"] == ref[: at + 1] and out["finish"] == pb.FINISH_REASON_STOP_SEQUENCE
+    # Before min_new_tokens the stop token (and EOS) is never drawn; afterwards it stops again.
+    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 10, stop_token_ids=[stop], min_new_tokens=at + 2)[0]
+    assert stop not in out["ids"][: at + 2] and out["ids"][:at] == ref[:at]
+    assert out["finish"] in (pb.FINISH_REASON_STOP_SEQUENCE, pb.FINISH_REASON_LENGTH)
+    assert len(out["ids"]) >= at + 2
+    # ignore_eos=False with EOS banned until 10 tokens: exactly 10 come out, none of them EOS.
+    eos = make_runner(model_dir).eos_ids
+    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 10, ignore_eos=False, min_new_tokens=10)[0]
+    assert len(out["ids"]) == 10 and not eos & set(out["ids"])

@@ -64,8 +64,10 @@ class Driver:
         table = self._grow(rid, end)
         return [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
 
-    def run(self, prompts, max_new: int, params=None, grammars=None, top_n: int = 0, ignore_eos: bool = True):
-        """Generates for every prompt in one batch; returns {rid: {ids, logprobs, top, finish, error}}."""
+    def run(self, prompts, max_new: int, params=None, grammars=None, top_n: int = 0, ignore_eos: bool = True,
+            **stopping):
+        """Generates for every prompt in one batch; returns {rid: {ids, logprobs, top, finish, error}}.
+        stopping: further StoppingCriteriaParameters fields (min_new_tokens, stop_token_ids)."""
         params = params or [pb.NextTokenChooserParameters()] * len(prompts)
         grammars = grammars or [None] * len(prompts)
         requests = []
@@ -73,7 +75,8 @@ class Driver:
             requests.append(pb.Request(
                 id=rid, input_ids=prompt, block_table=self._grow(rid, len(prompt)),
                 slots=self._slots(rid, 0, len(prompt)), parameters=p, top_n_tokens=top_n, grammar=g,
-                stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new, ignore_eos_token=ignore_eos),
+                stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new, ignore_eos_token=ignore_eos,
+                                                                  **stopping),
             ))  # fmt: skip
             self.fed[rid] = len(prompt)
         out = {rid: {"ids": [], "logprobs": [], "top": [], "finish": 0, "error": ""} for rid in range(len(prompts))}

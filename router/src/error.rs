@@ -1,4 +1,6 @@
-//! One error enum for the whole router, mapped to HTTP codes in one place.
+//! One error enum for the whole router, mapped to HTTP codes and bodies in
+//! one place: TGI's `{error, error_type}` everywhere, OpenAI's
+//! `{"error": {message, type, param, code}}` on the OpenAI routes.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -62,6 +64,7 @@ impl RouterError {
         }
     }
 
+    /// Status on the TGI routes (and every non-OpenAI route).
     pub fn status(&self) -> StatusCode {
         match self {
             RouterError::Validation(_) | RouterError::InvalidJson(_) => {
@@ -83,16 +86,116 @@ impl RouterError {
             error_type: self.error_type().to_string(),
         }
     }
+
+    /// The parameter an input error is about: messages name it first, in
+    /// backquotes (`` `top_p` must be ...``).
+    pub fn param(&self) -> Option<String> {
+        let (RouterError::Validation(m) | RouterError::InvalidJson(m)) = self else {
+            return None;
+        };
+        let rest = m.split_once('`')?.1;
+        let name = rest.split_once('`')?.0;
+        let is_path = !name.is_empty()
+            && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '[' | ']'));
+        is_path.then(|| name.to_string())
+    }
+
+    /// OpenAI's statuses: invalid input is a 400 (TGI's routes say 422).
+    pub fn openai_status(&self) -> StatusCode {
+        match self {
+            RouterError::Validation(_) | RouterError::InvalidJson(_) => StatusCode::BAD_REQUEST,
+            other => other.status(),
+        }
+    }
+
+    pub fn openai_body(&self) -> OpenAiErrorBody {
+        let kind = match self {
+            RouterError::Validation(_)
+            | RouterError::InvalidJson(_)
+            | RouterError::NotFound(_)
+            | RouterError::PayloadTooLarge(_) => "invalid_request_error",
+            RouterError::Unauthorized(_) => "authentication_error",
+            RouterError::Overloaded(_) | RouterError::QueueTimeout(_) => "rate_limit_error",
+            RouterError::ShuttingDown(_) | RouterError::Generation(_) | RouterError::Unhealthy(_) => "server_error",
+        };
+        OpenAiErrorBody {
+            error: OpenAiError {
+                message: self.to_string(),
+                kind: kind.to_string(),
+                param: self.param(),
+                code: Some(self.error_type().to_string()),
+            },
+        }
+    }
+}
+
+/// OpenAI's error body, on the OpenAI routes (the `openai` client reads
+/// `error.message` into its exceptions).
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct OpenAiErrorBody {
+    pub error: OpenAiError,
+}
+
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct OpenAiError {
+    pub message: String,
+    /// "invalid_request_error", "authentication_error", "rate_limit_error" or "server_error".
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The request field at fault, when there is one.
+    pub param: Option<String>,
+    /// TGI's `error_type` ("validation", "invalid_json", "overloaded", ...).
+    pub code: Option<String>,
 }
 
 impl IntoResponse for RouterError {
     fn into_response(self) -> Response {
-        (self.status(), Json(self.body())).into_response()
+        let mut resp = (self.status(), Json(self.body())).into_response();
+        // Kept so `openai_errors` can re-render it for the OpenAI routes.
+        resp.extensions_mut().insert(self);
+        resp
+    }
+}
+
+/// Layer of the OpenAI routes: any RouterError response (from the handler,
+/// the body extractor or the auth layer inside it) gets OpenAI's shape.
+pub async fn openai_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let resp = next.run(req).await;
+    match resp.extensions().get::<RouterError>() {
+        Some(err) => (err.openai_status(), Json(err.openai_body())).into_response(),
+        None => resp,
     }
 }
 
 impl From<tonic::Status> for RouterError {
     fn from(status: tonic::Status) -> Self {
         RouterError::Generation(format!("shard: {}", status.message()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_errors_are_400_with_the_param_on_openai_routes() {
+        let e = RouterError::Validation("`top_p` must be in (0, 1], got 2".into());
+        assert_eq!((e.status(), e.openai_status()), (StatusCode::UNPROCESSABLE_ENTITY, StatusCode::BAD_REQUEST));
+        let b = serde_json::to_value(e.openai_body()).unwrap();
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["param"], "top_p");
+        assert_eq!(b["error"]["code"], "validation");
+        assert!(b["error"]["message"].as_str().unwrap().contains("top_p"));
+    }
+
+    #[test]
+    fn other_errors_keep_their_status_and_have_no_param() {
+        let e = RouterError::Overloaded("busy".into());
+        assert_eq!(e.openai_status(), StatusCode::TOO_MANY_REQUESTS);
+        let b = serde_json::to_value(e.openai_body()).unwrap();
+        assert_eq!(b["error"]["type"], "rate_limit_error");
+        assert!(b["error"]["param"].is_null());
+        assert_eq!(RouterError::Validation("no field named".into()).param(), None);
+        assert_eq!(RouterError::Validation("`a b` odd".into()).param(), None);
     }
 }

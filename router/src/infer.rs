@@ -37,11 +37,14 @@ pub struct GenerateInput {
     pub parameters: GenerateParameters,
     /// False for rendered chat prompts (the template wrote the BOS).
     pub add_special_tokens: bool,
+    /// The prompt as token ids (`/v1/completions`): used as given instead of
+    /// tokenizing `inputs` (which is then their decoded text).
+    pub input_ids: Option<Vec<u32>>,
 }
 
 impl GenerateInput {
     pub fn new(inputs: String, parameters: GenerateParameters) -> Self {
-        Self { inputs, parameters, add_special_tokens: true }
+        Self { inputs, parameters, add_special_tokens: true, input_ids: None }
     }
 }
 
@@ -243,7 +246,7 @@ impl Infer {
         self.validation.check_fanout(name, n)?;
         let request = self
             .validation
-            .validate(input.inputs, input.parameters, input.add_special_tokens)
+            .validate(input.inputs, input.input_ids, input.parameters, input.add_special_tokens)
             .await?;
         if n > 1 && !request.parameters.do_sample {
             // Greedy sequences would all be the same (TGI and vLLM reject this too).

@@ -121,6 +121,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         max_top_n_tokens: config.max_top_n_tokens,
         default_max_new_tokens: config.default_max_new_tokens,
         max_best_of: config.max_best_of,
+        vocab_size: shard_info.vocab_size,
     };
     let infer = Infer::new(
         Validation::new(tokenizer, limits),

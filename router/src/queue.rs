@@ -93,6 +93,8 @@ mod tests {
             parameters: pb::NextTokenChooserParameters::default(),
             max_new_tokens: 1,
             ignore_eos: false,
+            min_new_tokens: 0,
+            stop_token_ids: vec![],
             stop_sequences: vec![],
             top_n_tokens: 0,
             decoder_input_details: false,

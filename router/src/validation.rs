@@ -18,7 +18,15 @@ pub struct Limits {
     pub default_max_new_tokens: u32,
     /// Largest `n` / `best_of`.
     pub max_best_of: u32,
+    /// The model's vocabulary (from the shard): token ids must be below it.
+    pub vocab_size: u32,
 }
+
+/// Most `stop_token_ids` and `logit_bias` entries in one request (OpenAI
+/// caps `logit_bias` at 300 tokens); both are sent to the shard every step.
+pub const MAX_TOKEN_ID_LIST: usize = 300;
+/// `logit_bias` values are in [-BIAS_RANGE, BIAS_RANGE], as OpenAI's.
+pub const BIAS_RANGE: f32 = 100.0;
 
 #[derive(Debug, Clone)]
 pub struct ValidRequest {
@@ -27,6 +35,9 @@ pub struct ValidRequest {
     pub parameters: pb::NextTokenChooserParameters,
     pub max_new_tokens: u32,
     pub ignore_eos: bool,
+    /// EOS and `stop_token_ids` are held back until this many tokens are out.
+    pub min_new_tokens: u32,
+    pub stop_token_ids: Vec<u32>,
     pub stop_sequences: Vec<String>,
     pub top_n_tokens: u32,
     pub decoder_input_details: bool,
@@ -83,18 +94,38 @@ impl Validation {
 
     /// `add_special_tokens` is false for rendered chat prompts: the template
     /// already wrote the BOS (as in TGI), a second one would change the output.
+    /// `ids`: a prompt given as token ids, used as is (`inputs` is then only its text).
     pub async fn validate(
         &self,
         inputs: String,
+        ids: Option<Vec<u32>>,
         p: GenerateParameters,
         add_special_tokens: bool,
     ) -> Result<ValidRequest, RouterError> {
-        let params = self.check_parameters(&p)?;
+        let mut params = self.check_parameters(&p)?;
+        params.logit_bias = self.check_logit_bias(&p.extras.logit_bias)?;
+        let stop_token_ids = self.check_token_ids("stop_token_ids", &p.extras.stop_token_ids)?;
         let grammar = p.grammar.as_ref().map(crate::grammar::validate).transpose()?;
-        if inputs.is_empty() {
-            return Err(invalid("`inputs` must not be empty"));
-        }
-        let mut input_ids = self.tokenize(inputs.clone(), add_special_tokens).await?;
+        let mut input_ids = match ids {
+            Some(ids) => {
+                if ids.is_empty() {
+                    return Err(invalid("`prompt` must not be an empty list of token ids"));
+                }
+                if let Some(&bad) = ids.iter().find(|&&t| t >= self.limits.vocab_size) {
+                    return Err(invalid(format!(
+                        "`prompt` token id {bad} is out of the vocabulary (size {})",
+                        self.limits.vocab_size
+                    )));
+                }
+                ids
+            }
+            None => {
+                if inputs.is_empty() {
+                    return Err(invalid("`inputs` must not be empty"));
+                }
+                self.tokenize(inputs.clone(), add_special_tokens).await?
+            }
+        };
         if input_ids.is_empty() {
             return Err(invalid("`inputs` tokenized to zero tokens"));
         }
@@ -154,18 +185,68 @@ impl Validation {
         if p.stop.iter().any(|s| s.is_empty()) {
             return Err(invalid("`stop` sequences must not be empty"));
         }
+        let min_new_tokens = match p.extras.min_new_tokens {
+            None => 0,
+            Some(m) if m < 0 => return Err(invalid(format!("`min_tokens` must be >= 0, got {m}"))),
+            Some(m) if m > max_new_tokens as i64 => {
+                return Err(invalid(format!("`min_tokens` ({m}) must be <= `max_tokens` ({max_new_tokens})")))
+            }
+            Some(m) => m as u32,
+        };
+        // A finished grammar allows only EOS; holding EOS back would leave no token at all.
+        if grammar.is_some() && (min_new_tokens > 0 || !stop_token_ids.is_empty()) {
+            return Err(invalid("`min_tokens` and `stop_token_ids` cannot be combined with `response_format`"));
+        }
         Ok(ValidRequest {
             inputs,
             input_ids,
             parameters: params,
             max_new_tokens,
             ignore_eos: p.ignore_eos_token,
+            min_new_tokens,
+            stop_token_ids,
             stop_sequences: p.stop,
             top_n_tokens,
             decoder_input_details: p.decoder_input_details,
             seed: p.seed,
             grammar,
         })
+    }
+
+    fn check_token_ids(&self, name: &str, ids: &[i64]) -> Result<Vec<u32>, RouterError> {
+        if ids.len() > MAX_TOKEN_ID_LIST {
+            return Err(invalid(format!("`{name}` lists at most {MAX_TOKEN_ID_LIST} tokens. Given: {}", ids.len())));
+        }
+        ids.iter()
+            .map(|&t| match u32::try_from(t) {
+                Ok(t) if t < self.limits.vocab_size => Ok(t),
+                _ => Err(invalid(format!(
+                    "`{name}`: token id {t} is out of the vocabulary (size {})",
+                    self.limits.vocab_size
+                ))),
+            })
+            .collect()
+    }
+
+    /// Keys are token ids written as strings (JSON object keys), as OpenAI's.
+    fn check_logit_bias(&self, bias: &[(String, f32)]) -> Result<std::collections::HashMap<u32, f32>, RouterError> {
+        if bias.len() > MAX_TOKEN_ID_LIST {
+            return Err(invalid(format!("`logit_bias` lists at most {MAX_TOKEN_ID_LIST} tokens. Given: {}", bias.len())));
+        }
+        let mut out = std::collections::HashMap::with_capacity(bias.len());
+        for (key, value) in bias {
+            let id = key.trim().parse::<u32>().ok().filter(|&t| t < self.limits.vocab_size).ok_or_else(|| {
+                invalid(format!(
+                    "`logit_bias` key {key:?} is not a token id in the vocabulary (0..{})",
+                    self.limits.vocab_size
+                ))
+            })?;
+            if !value.is_finite() || value.abs() > BIAS_RANGE {
+                return Err(invalid(format!("`logit_bias` values must be in [-100, 100], got {value} for token {id}")));
+            }
+            out.insert(id, *value);
+        }
+        Ok(out)
     }
 
     /// `n` / `best_of`: how many sequences one request fans out into.
@@ -221,6 +302,80 @@ impl Validation {
             repetition_penalty: p.repetition_penalty.unwrap_or(1.0),
             frequency_penalty: p.frequency_penalty.unwrap_or(0.0),
             presence_penalty: p.presence_penalty.unwrap_or(0.0),
+            logit_bias: Default::default(),
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use super::*;
+    use crate::http::types::SamplingExtras;
+
+    /// A word-level tokenizer over "a b c" and a model vocabulary of 10 ids.
+    fn validation() -> Validation {
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "c": 2, "[UNK]": 3}, "unk_token": "[UNK]"}}"#;
+        let limits = Limits {
+            max_input_tokens: 16,
+            max_total_tokens: 32,
+            max_stop_sequences: 4,
+            max_top_n_tokens: 5,
+            default_max_new_tokens: 8,
+            max_best_of: 2,
+            vocab_size: 10,
+        };
+        Validation::new(Arc::new(Tokenizer::from_str(json).unwrap()), limits)
+    }
+
+    fn with(extras: SamplingExtras) -> GenerateParameters {
+        GenerateParameters { max_new_tokens: Some(4), extras, ..Default::default() }
+    }
+
+    async fn check(ids: Option<Vec<u32>>, p: GenerateParameters) -> Result<ValidRequest, RouterError> {
+        validation().validate("a b".into(), ids, p, true).await
+    }
+
+    #[tokio::test]
+    async fn token_id_prompts_are_used_as_given_within_the_vocabulary() {
+        let r = check(Some(vec![9, 0, 9]), with(Default::default())).await.unwrap();
+        assert_eq!(r.input_ids, vec![9, 0, 9]);
+        let e = check(Some(vec![1, 10]), with(Default::default())).await.unwrap_err();
+        assert_eq!(e.param().as_deref(), Some("prompt"), "{e}");
+        assert!(check(Some(vec![]), with(Default::default())).await.is_err());
+        assert_eq!(check(None, with(Default::default())).await.unwrap().input_ids, vec![0, 1]);
+    }
+
+    #[tokio::test]
+    async fn logit_bias_keys_are_token_ids_and_values_in_range() {
+        let bias = |k: &str, v: f32| with(SamplingExtras { logit_bias: vec![(k.into(), v)], ..Default::default() });
+        let r = check(None, bias("7", -100.0)).await.unwrap();
+        assert_eq!(r.parameters.logit_bias.get(&7), Some(&-100.0));
+        for (k, v) in [("abc", 1.0), ("10", 1.0), ("-1", 1.0), ("3", 100.5), ("3", f32::NAN), ("3", f32::INFINITY)] {
+            let e = check(None, bias(k, v)).await.unwrap_err();
+            assert_eq!(e.param().as_deref(), Some("logit_bias"), "{k} {v}: {e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn stop_token_ids_and_min_tokens() {
+        let stops = |ids: Vec<i64>| with(SamplingExtras { stop_token_ids: ids, ..Default::default() });
+        assert_eq!(check(None, stops(vec![2, 9])).await.unwrap().stop_token_ids, vec![2, 9]);
+        for bad in [vec![-1], vec![10], vec![1; MAX_TOKEN_ID_LIST + 1]] {
+            let e = check(None, stops(bad)).await.unwrap_err();
+            assert_eq!(e.param().as_deref(), Some("stop_token_ids"), "{e}");
+        }
+        let min = |m: i64| with(SamplingExtras { min_new_tokens: Some(m), ..Default::default() });
+        assert_eq!(check(None, min(4)).await.unwrap().min_new_tokens, 4);
+        for bad in [5, -1] {
+            let e = check(None, min(bad)).await.unwrap_err();
+            assert_eq!(e.param().as_deref(), Some("min_tokens"), "{e}");
+        }
+        let mut p = min(2);
+        p.grammar = Some(crate::grammar::GrammarParam::Json(serde_json::json!({})));
+        assert!(check(None, p).await.is_err());
     }
 }

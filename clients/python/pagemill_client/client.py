@@ -46,7 +46,7 @@ def _sse_payload(line: str) -> dict | None:
     if not data or data == "[DONE]":
         return None
     payload = json.loads(data)
-    if isinstance(payload, dict) and isinstance(payload.get("error"), str):
+    if isinstance(payload, dict) and isinstance(payload.get("error"), (str, dict)):
         raise from_body(payload, None)
     return payload
 

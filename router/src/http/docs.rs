@@ -79,8 +79,37 @@ mod tests {
             assert!(spec["paths"].get(path).is_some(), "missing {path}");
         }
         let schemas = &spec["components"]["schemas"];
-        for s in ["GenerateRequest", "GenerateParameters", "ChatCompletionRequest", "ErrorBody", "GrammarParam"] {
+        for s in ["GenerateRequest", "GenerateParameters", "ChatCompletionRequest", "ErrorBody", "GrammarParam",
+                  "OpenAiErrorBody"] {
             assert!(schemas.get(s).is_some(), "missing schema {s}");
+        }
+    }
+
+    /// Property names of a schema, through `$ref` and `allOf` (how flattened structs appear).
+    fn properties(spec: &serde_json::Value, schema: &serde_json::Value) -> std::collections::BTreeSet<String> {
+        if let Some(r) = schema.get("$ref").and_then(|r| r.as_str()) {
+            let name = r.rsplit('/').next().unwrap();
+            return properties(spec, &spec["components"]["schemas"][name]);
+        }
+        let mut names: std::collections::BTreeSet<String> =
+            schema["properties"].as_object().map(|o| o.keys().cloned().collect()).unwrap_or_default();
+        for part in schema["allOf"].as_array().into_iter().flatten() {
+            names.extend(properties(spec, part));
+        }
+        names
+    }
+
+    /// `OpenAiJson` accepts exactly the fields the schema documents: the
+    /// hand-kept lists cannot drift from the structs.
+    #[test]
+    fn accepted_openai_fields_are_the_schema_fields() {
+        use crate::http::openai::types::{ChatCompletionRequest, CompletionRequest, OpenAiBody, SAMPLING_FIELDS};
+        let spec = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        for (name, own) in [("CompletionRequest", CompletionRequest::FIELDS), ("ChatCompletionRequest", ChatCompletionRequest::FIELDS)] {
+            let documented = properties(&spec, &spec["components"]["schemas"][name]);
+            let accepted: std::collections::BTreeSet<String> =
+                own.iter().chain(SAMPLING_FIELDS).map(|s| s.to_string()).collect();
+            assert_eq!(documented, accepted, "{name}");
         }
     }
 }

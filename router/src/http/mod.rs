@@ -69,15 +69,20 @@ pub struct AppState {
 
 pub fn router(app: AppState, payload_limit: usize) -> Router {
     // Everything that generates (or reveals the model's tokens) sits behind --api-key.
+    let openai = Router::new()
+        .route("/v1/completions", post(openai::completions::completions))
+        .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/v1/models", get(openai::models))
+        .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key))
+        // Outside auth, so a 401 has OpenAI's shape too.
+        .route_layer(middleware::from_fn(crate::error::openai_errors));
     let protected = Router::new()
         .route("/", post(tgi::compat_generate))
         .route("/generate", post(tgi::generate))
         .route("/generate_stream", post(tgi::generate_stream))
         .route("/tokenize", post(tgi::tokenize))
-        .route("/v1/completions", post(openai::completions::completions))
-        .route("/v1/chat/completions", post(openai::chat::chat_completions))
-        .route("/v1/models", get(openai::models))
-        .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key));
+        .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key))
+        .merge(openai);
     let open = Router::new()
         .route("/health", get(ops::health))
         .route("/info", get(ops::info))

@@ -68,6 +68,20 @@ pub struct GenerateParameters {
     pub ignore_eos_token: bool,
     /// Constrained decoding: a JSON schema or a regex.
     pub grammar: Option<GrammarParam>,
+    /// Set by the OpenAI routes only (vLLM's extra fields); not part of TGI's API.
+    #[serde(skip)]
+    pub extras: SamplingExtras,
+}
+
+/// Controls the OpenAI routes accept and TGI's `parameters` do not.
+#[derive(Debug, Clone, Default)]
+pub struct SamplingExtras {
+    /// EOS and `stop_token_ids` cannot end the output before this many tokens.
+    pub min_new_tokens: Option<i64>,
+    /// Tokens that end the output like EOS.
+    pub stop_token_ids: Vec<i64>,
+    /// (token id as the client wrote it, bias); checked in validation.
+    pub logit_bias: Vec<(String, f32)>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

@@ -44,6 +44,7 @@ pub(super) fn intermediate_chunk(seq: &Sequence, cache_len: u32, end: u32) -> pb
         stopping_parameters: Some(pb::StoppingCriteriaParameters {
             max_new_tokens: 1,
             ignore_eos_token: true,
+            ..Default::default()
         }),
         top_n_tokens: 0,
         prefill_logprobs: false,

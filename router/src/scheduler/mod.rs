@@ -331,7 +331,7 @@ impl Scheduler {
             }
             let blocks = seq.blocks.as_ref().expect("admitted sequence has blocks");
             let r = &seq.entry.request;
-            let mut parameters = r.parameters;
+            let mut parameters = r.parameters.clone();
             if let Some(seed) = seq.seed {
                 parameters.seed = seed;
                 parameters.has_seed = true;
@@ -346,6 +346,8 @@ impl Scheduler {
                 stopping_parameters: Some(pb::StoppingCriteriaParameters {
                     max_new_tokens: seq.remaining_new_tokens(),
                     ignore_eos_token: r.ignore_eos,
+                    min_new_tokens: r.min_new_tokens.saturating_sub(seq.generated_tokens),
+                    stop_token_ids: r.stop_token_ids.clone(),
                 }),
                 top_n_tokens: r.top_n_tokens,
                 // A resumed sequence already sent its prompt details.

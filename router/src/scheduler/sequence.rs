@@ -16,7 +16,7 @@ use crate::stop::{StopMatcher, StopResult};
 #[derive(Debug, PartialEq, Eq)]
 pub enum Outcome {
     Running,
-    /// The shard finished it (EOS or length) and already dropped it.
+    /// The shard finished it (EOS, a stop token or length) and already dropped it.
     FinishedByShard,
     /// The router ended it (stop sequence, client gone): the shard still holds
     /// it and must be told to filter it out.
@@ -147,7 +147,12 @@ impl Sequence {
                 (ctx.token_text(id), StopResult::Continue(String::new()))
             } else {
                 let piece = self.decoder.push(ctx.tokenizer, id);
-                let res = self.stop.push(&piece);
+                // Before `min_tokens` stop strings do not end the output either (as in vLLM).
+                let res = if self.generated_tokens < self.entry.request.min_new_tokens {
+                    StopResult::Continue(piece)
+                } else {
+                    self.stop.push(&piece)
+                };
                 let text = match &res {
                     StopResult::Continue(t) => t.clone(),
                     StopResult::Stopped { text, .. } => text.clone(),
@@ -171,7 +176,7 @@ impl Sequence {
                 }
                 Some((reason, by_router)) => {
                     if !ctx.special_ids.contains(&id) {
-                        if reason != FinishReason::StopSequence {
+                        if !by_router {
                             // Nothing more can come: release what was held for a partial stop match.
                             token_text.push_str(&self.stop.flush());
                         }

@@ -18,6 +18,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1: off; HF/CTRL rule over the whole context
     frequency_penalty: float = 0.0  # OpenAI rule over generated tokens
     presence_penalty: float = 0.0  # OpenAI rule over generated tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; OpenAI's logit_bias
 
     @property
     def has_warpers(self) -> bool:
@@ -61,6 +62,9 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {p.min_p}")
         if p.repetition_penalty < 0:
             raise ValueError(f"repetition_penalty must be > 0, got {p.repetition_penalty}")
+        for token, bias in p.logit_bias.items():
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias of token {token} must be finite, got {bias}")
 
         def off_at_one(x: float) -> float:
             return 1.0 if x <= 0 or x >= 1 else float(x)
@@ -76,4 +80,5 @@ class SamplingParams:
             repetition_penalty=float(p.repetition_penalty) if p.repetition_penalty > 0 else 1.0,
             frequency_penalty=float(p.frequency_penalty),
             presence_penalty=float(p.presence_penalty),
+            logit_bias=tuple(sorted((int(t), float(b)) for t, b in p.logit_bias.items())),
         )

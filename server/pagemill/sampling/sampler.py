@@ -1,15 +1,15 @@
 """Batched next-token choice for requests with different sampling controls.
 
 Pipeline per row, in Hugging Face's order:
-    penalties (repetition, then frequency/presence) -> temperature
-    -> grammar mask -> top-k -> top-p -> min-p -> typical-p
+    penalties (repetition, then frequency/presence) -> logit bias -> temperature
+    -> grammar mask and banned tokens -> top-k -> top-p -> min-p -> typical-p
     -> draw (or argmax when greedy).
 
-Reported logprobs are log_softmax of the logits after penalties and
-temperature, *before* the grammar mask and the truncating warpers: the
-model's distribution as the request shaped it, never -inf for a token that
-a warper or the grammar dropped. Greedy rows use temperature 1. Units:
-natural log.
+Reported logprobs are log_softmax of the logits after penalties, logit bias
+and temperature, *before* the grammar mask, the banned tokens and the
+truncating warpers: the model's distribution as the request shaped it, never
+-inf for a token that a warper, the grammar or min_tokens dropped. Greedy
+rows use temperature 1. Units: natural log.
 
 A request usually owns one row; when speculative proposals are verified it
 owns one row per position (rows then repeat the same request object).
@@ -24,6 +24,7 @@ from typing import Protocol, Sequence
 import torch
 
 from pagemill.sampling.params import SamplingParams
+from pagemill.sampling.bias import apply_logit_bias, ban_tokens
 from pagemill.sampling.penalties import PenaltyState, apply_penalties
 from pagemill.sampling.warpers import NEG_INF, apply_warpers
 
@@ -69,10 +70,15 @@ class Sampler:
 
     @torch.no_grad()
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: GrammarMask | None = None
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        mask: GrammarMask | None = None,
+        banned: dict[int, Sequence[int]] | None = None,
     ) -> SamplerOutput:
-        """logits [N, V], one row per request: one token each."""
-        shaped = self.shape(logits, rows, mask)
+        """logits [N, V], one row per request: one token each. banned: row -> token ids it
+        may not draw this step (EOS and stop tokens before min_tokens)."""
+        shaped = self.shape(logits, rows, mask, banned)
         ids = shaped.masked.argmax(-1)
         sampling = [i for i, r in enumerate(rows) if not r.params.greedy]
         if sampling:
@@ -81,9 +87,15 @@ class Sampler:
             ids[idx] = self.draw(torch.softmax(warped, dim=-1), [rows[i] for i in sampling])
         return self.report(ids, shaped, rows)
 
-    def shape(self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: GrammarMask | None = None) -> Shaped:
+    def shape(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        mask: GrammarMask | None = None,
+        banned: dict[int, Sequence[int]] | None = None,
+    ) -> Shaped:
         assert logits.shape[0] == len(rows)
-        logits = apply_penalties(logits.float(), rows)
+        logits = apply_logit_bias(apply_penalties(logits.float(), rows), [r.params for r in rows])
         if any(not r.params.greedy and r.params.temperature != 1.0 for r in rows):
             temps = [1.0 if r.params.greedy else r.params.temperature for r in rows]
             logits = logits / torch.tensor(temps, device=logits.device)[:, None]
@@ -93,6 +105,8 @@ class Sampler:
             masked = logits.clone()
             idx = torch.tensor(mask.rows, device=logits.device)
             masked[idx] = logits[idx].masked_fill(~mask.allowed, NEG_INF)
+        if banned:
+            masked = ban_tokens(masked.clone() if masked is logits else masked, banned)
         return Shaped(logits, norm, masked)
 
     def target_probs(self, shaped: Shaped, rows: Sequence[SamplingRow]) -> torch.Tensor:

@@ -40,6 +40,8 @@ class RequestState:
     grammar: object | None = None  # grammar.GrammarState of a constrained request
     error: str | None = None  # set when this request alone cannot go on; it is then dropped
     draft_len: int = 0  # leading token_ids whose KV the draft model's pool holds
+    min_new_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are generated here
+    stop_token_ids: frozenset[int] = frozenset()  # tokens that finish the request like EOS
 
     @property
     def seq_len(self) -> int:
@@ -89,6 +91,10 @@ def request_from_pb(r, *, block_size: int, num_blocks: int, vocab_size: int, dev
         raise invalid(f"request {r.id}: max_new_tokens must be >= 1")
     if r.top_n_tokens > vocab_size:
         raise invalid(f"request {r.id}: top_n_tokens {r.top_n_tokens} > vocab_size {vocab_size}")
+    stopping = r.stopping_parameters
+    for name, ids in (("stop_token_ids", stopping.stop_token_ids), ("logit_bias", r.parameters.logit_bias.keys())):
+        if any(t >= vocab_size for t in ids):
+            raise invalid(f"request {r.id}: {name} has a token id >= vocab_size {vocab_size}")
     table = list(r.block_table)
     _check_table(r.id, table, -(-n // block_size), num_blocks)
     if len(r.slots) != n - r.cache_len:
@@ -119,6 +125,8 @@ def request_from_pb(r, *, block_size: int, num_blocks: int, vocab_size: int, dev
         prefill_logprobs=r.prefill_logprobs,
         prefill_slots=list(r.slots),
         penalties=penalties,
+        min_new_tokens=stopping.min_new_tokens,
+        stop_token_ids=frozenset(stopping.stop_token_ids),
     )
 
 

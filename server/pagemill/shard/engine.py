@@ -11,8 +11,9 @@ batch the runner was given.
 With speculate = K > 0 each decode step proposes up to K tokens per request
 (n-gram lookup or a draft model), verifies them in one target forward and
 returns the accepted ones plus one (speculative/verify.py). Requests with
-penalties or a grammar get no proposals: their next-token distribution
-depends on the tokens before it in ways the batched verifier does not model.
+penalties, a grammar or EOS still banned (min_new_tokens) get no proposals:
+their next-token distribution depends on the tokens before it in ways the
+batched verifier does not model.
 """
 
 from __future__ import annotations
@@ -230,7 +231,8 @@ class ModelRunner:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
             if self.draft is not None:
                 self.draft.forward(inputs.input_ids, inputs.positions, inputs.meta)
-            out = self.sampler(self.model.compute_logits(hidden[inputs.last_rows]), batch.requests, self._wait(masks))
+            out = self.sampler(self.model.compute_logits(hidden[inputs.last_rows]), batch.requests, self._wait(masks),
+                               self.banned_tokens(batch.requests))
             prompt_lps = self._prompt_logprobs(batch, hidden)
         emitted = [Emitted([t], [lp], [(i, l)]) for t, lp, i, l in
                    zip(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]  # fmt: skip
@@ -265,14 +267,15 @@ class ModelRunner:
         if logits is None:  # no graphs (CPU, --no-cuda-graphs) or wider than the largest graph
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
             logits = self.model.compute_logits(hidden)
-        out = self.sampler(logits, batch.requests, self._wait(masks))
+        out = self.sampler(logits, batch.requests, self._wait(masks), self.banned_tokens(batch.requests))
         return [Emitted([t], [lp], [(i, l)]) for t, lp, i, l in
                 zip(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]  # fmt: skip
 
     def _num_proposals(self, r: RequestState) -> int:
         """K where exactness is cheap; the bonus token always comes on top, so at most
         max_new_tokens - generated - 1 proposals can ever be used."""
-        if self.speculate == 0 or r.params.has_penalties or r.grammar is not None or r.error is not None:
+        if (self.speculate == 0 or r.params.has_penalties or r.grammar is not None or r.error is not None
+                or r.generated < r.min_new_tokens):
             return 0
         return max(0, min(self.speculate, r.max_new_tokens - r.generated - 1))
 
@@ -292,7 +295,8 @@ class ModelRunner:
         # Requests with a grammar have no proposals: one row each, at their offset.
         masks = self._start_masks(reqs, offsets)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
-        shaped = self.sampler.shape(self.model.compute_logits(hidden), rows, self._wait(masks))
+        shaped = self.sampler.shape(self.model.compute_logits(hidden), rows, self._wait(masks),
+                                    self.banned_tokens(reqs, offsets))
         tokens = verify(self.sampler, self.sampler.target_probs(shaped, rows), counts, proposals, reqs, draft_q)
         # Each row's chosen token, for its logprob (rows past a rejection report a dummy 0).
         ids = [t for toks, c in zip(tokens, counts) for t in toks + [0] * (c - len(toks))]
@@ -302,6 +306,15 @@ class ModelRunner:
                     list(zip(out.top_ids[off : off + len(toks)], out.top_logprobs[off : off + len(toks)])))
             for off, toks in zip(offsets, tokens)
         ]  # fmt: skip
+
+    def banned_tokens(self, requests: Sequence[RequestState], rows: Sequence[int] | None = None) -> dict:
+        """Row -> tokens it may not draw: EOS and the stop tokens while a request has
+        generated fewer than min_new_tokens (such requests have no proposals: one row each)."""
+        return {
+            i if rows is None else rows[i]: sorted(self.eos_ids | r.stop_token_ids)
+            for i, r in enumerate(requests)
+            if r.generated < r.min_new_tokens
+        }
 
     def _start_masks(self, requests: Sequence[RequestState], rows: Sequence[int] | None = None):
         """Starts the grammar masks of constrained rows; they compute while the forward runs."""

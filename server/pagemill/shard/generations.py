@@ -1,8 +1,10 @@
 """What one step produced per request, and turning it into pb.Generations.
 
 A request finishes on EOS (unless ignore_eos_token; a constrained request
-always ends on the EOS its finished grammar forces) or when it has generated
-max_new_tokens; EOS wins when both hold. A finish inside an accepted
+always ends on the EOS its finished grammar forces), on one of its
+stop_token_ids, or when it has generated max_new_tokens; EOS and stop tokens
+win over the length. Before min_new_tokens the sampler never draws EOS or a
+stop token (engine.banned_tokens). A finish inside an accepted
 speculative run truncates the run there. A request with `error` set gets a
 Generation carrying only that error and is dropped.
 """
@@ -66,6 +68,8 @@ def finish_reason(r: RequestState, token: int, eos_ids) -> int:
     # A finished grammar only allows EOS, which then ends the request even with ignore_eos.
     if token in eos_ids and (not r.ignore_eos or r.grammar is not None):
         return pb.FINISH_REASON_EOS_TOKEN
+    if token in r.stop_token_ids:
+        return pb.FINISH_REASON_STOP_SEQUENCE
     if r.generated >= r.max_new_tokens:
         return pb.FINISH_REASON_LENGTH
     return pb.FINISH_REASON_UNSPECIFIED

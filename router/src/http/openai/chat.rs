@@ -9,11 +9,11 @@ use serde_json::Value as Json_;
 use super::stream::{self, ChoiceEvent, ChoiceMsg};
 use super::types::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatLogprobs, ChatMessage, ChatResponseMessage, ContentPart, MessageContent, Usage,
+    ChatLogprobs, ChatMessage, ChatResponseMessage, ContentPart, MessageContent, Usage, ROLES,
 };
 use super::{logprobs, ResponseMeta};
-use crate::error::{ErrorBody, RouterError};
-use crate::http::extract::JsonBody;
+use crate::error::{OpenAiErrorBody, RouterError};
+use crate::http::extract::OpenAiJson;
 use crate::http::{headers, AppState};
 use crate::infer::GenerateInput;
 
@@ -29,7 +29,17 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Json_>, RouterError
     }
     messages
         .iter()
-        .map(|m| {
+        .enumerate()
+        .map(|(i, m)| {
+            if !ROLES.contains(&m.role.as_str()) {
+                return Err(invalid(format!(
+                    "`messages[{i}].role` must be one of {}; got {:?}",
+                    ROLES.join(", "),
+                    m.role
+                )));
+            }
+            // OpenAI's newer name for system instructions; chat templates know "system".
+            let role = if m.role == "developer" { "system" } else { m.role.as_str() };
             let content = match &m.content {
                 None => String::new(),
                 Some(MessageContent::Text(t)) => t.clone(),
@@ -47,7 +57,7 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Json_>, RouterError
                 }
             };
             let mut obj = serde_json::Map::new();
-            obj.insert("role".into(), Json_::String(m.role.clone()));
+            obj.insert("role".into(), Json_::String(role.to_string()));
             obj.insert("content".into(), Json_::String(content));
             if let Some(name) = &m.name {
                 obj.insert("name".into(), Json_::String(name.clone()));
@@ -79,16 +89,16 @@ pub fn render_prompt(app: &AppState, req: &ChatCompletionRequest) -> Result<Stri
     responses(
         (status = 200, description = "The completion, or `chat.completion.chunk` SSE events when `stream`", content(
             (ChatCompletionResponse = "application/json"), (ChatCompletionChunk = "text/event-stream"))),
-        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
-        (status = 422, description = "Invalid input, or a chat template error", body = ErrorBody),
-        (status = 424, description = "Generation failed", body = ErrorBody),
-        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
-        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody),
+        (status = 400, description = "Invalid input, a field or role this route does not accept, or a chat template error", body = OpenAiErrorBody),
+        (status = 424, description = "Generation failed", body = OpenAiErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = OpenAiErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = OpenAiErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = OpenAiErrorBody),
     ))]
 pub async fn chat_completions(
     State(app): State<AppState>,
-    JsonBody(req): JsonBody<ChatCompletionRequest>,
+    OpenAiJson(req): OpenAiJson<ChatCompletionRequest>,
 ) -> Result<Response, RouterError> {
     let prompt = render_prompt(&app, &req)?;
     let want_logprobs = req.logprobs.unwrap_or(false);
@@ -101,7 +111,7 @@ pub async fn chat_completions(
     }
     let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
     let parameters = req.sampling.to_parameters(max_tokens, req.top_logprobs.filter(|_| want_logprobs))?;
-    let input = GenerateInput { inputs: prompt, parameters, add_special_tokens: false };
+    let input = GenerateInput { add_special_tokens: false, ..GenerateInput::new(prompt, parameters) };
     let n = req.sampling.n.unwrap_or(1);
     let meta = ResponseMeta::new(&app, "chatcmpl");
     let tokenizer = app.infer.validation().tokenizer().clone();

@@ -1,15 +1,17 @@
 //! `POST /v1/completions` (OpenAI's legacy text completions): a prompt or a
-//! list of prompts, `n` choices each; choice `i` of prompt `p` has index `p * n + i`.
+//! list of prompts (text or token ids), `n` choices each; choice `i` of
+//! prompt `p` has index `p * n + i`.
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
 use super::stream::{self, ChoiceEvent, ChoiceMsg};
-use super::types::{CompletionChoice, CompletionRequest, CompletionResponse, Usage};
+use super::types::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput, Usage};
 use super::{logprobs, ResponseMeta};
-use crate::error::{ErrorBody, RouterError};
-use crate::http::extract::JsonBody;
+use crate::error::{OpenAiErrorBody, RouterError};
+use crate::http::extract::OpenAiJson;
+use crate::http::types::PrefillToken;
 use crate::http::{headers, AppState};
 use crate::infer::GenerateInput;
 
@@ -22,18 +24,29 @@ fn invalid(msg: impl Into<String>) -> RouterError {
     responses(
         (status = 200, description = "The completion, or `text_completion` SSE chunks when `stream`", content(
             (CompletionResponse = "application/json"), (CompletionResponse = "text/event-stream"))),
-        (status = 401, description = "Missing or wrong API key", body = ErrorBody),
-        (status = 422, description = "Invalid input", body = ErrorBody),
-        (status = 424, description = "Generation failed", body = ErrorBody),
-        (status = 413, description = "Body over --payload-limit", body = ErrorBody),
-        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
-        (status = 503, description = "Shutting down (draining)", body = ErrorBody),
+        (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody),
+        (status = 400, description = "Invalid input, or a field this route does not accept", body = OpenAiErrorBody),
+        (status = 424, description = "Generation failed", body = OpenAiErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = OpenAiErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = OpenAiErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = OpenAiErrorBody),
     ))]
 pub async fn completions(
     State(app): State<AppState>,
-    JsonBody(req): JsonBody<CompletionRequest>,
+    OpenAiJson(req): OpenAiJson<CompletionRequest>,
 ) -> Result<Response, RouterError> {
-    let prompts = req.prompt.clone().into_vec();
+    let tokenizer = app.infer.validation().tokenizer().clone();
+    // The text of each prompt (for `echo`), and its token ids when given as ids.
+    let prompts: Vec<(String, Option<Vec<u32>>)> = req
+        .prompt
+        .clone()
+        .into_inputs()
+        .into_iter()
+        .map(|p| match p {
+            PromptInput::Text(t) => (t, None),
+            PromptInput::Ids(ids) => (tokenizer.decode(&ids, false).unwrap_or_default(), Some(ids)),
+        })
+        .collect();
     if prompts.is_empty() {
         return Err(invalid("`prompt` must not be empty"));
     }
@@ -53,11 +66,26 @@ pub async fn completions(
     if req.echo && req.sampling.stream {
         return Err(invalid("`echo` is not supported with `stream`"));
     }
-    let parameters = req.sampling.to_parameters(req.sampling.max_tokens, req.logprobs)?;
+    let want_prompt_logprobs = match req.prompt_logprobs {
+        None => false,
+        Some(0) if req.sampling.stream => return Err(invalid("`prompt_logprobs` is not supported with `stream`")),
+        Some(0) => true,
+        Some(k) => {
+            return Err(invalid(format!(
+                "`prompt_logprobs` must be 0 (the prompt tokens' own logprobs; alternatives are not computed). Given: {k}"
+            )))
+        }
+    };
+    let mut parameters = req.sampling.to_parameters(req.sampling.max_tokens, req.logprobs)?;
+    parameters.decoder_input_details = want_prompt_logprobs;
     let n = req.sampling.n.unwrap_or(1);
     let meta = ResponseMeta::new(&app, "cmpl");
-    let tokenizer = app.infer.validation().tokenizer().clone();
-    let inputs = |p: &String| GenerateInput::new(p.clone(), parameters.clone());
+    let inputs = |(text, ids): &(String, Option<Vec<u32>>)| GenerateInput {
+        // Token ids are the whole prompt: no BOS is added in front of them.
+        add_special_tokens: ids.is_none(),
+        input_ids: ids.clone(),
+        ..GenerateInput::new(text.clone(), parameters.clone())
+    };
 
     if req.sampling.stream {
         let mut handles = Vec::new();
@@ -79,7 +107,8 @@ pub async fn completions(
             let text = if token.special { String::new() } else { token.text.clone() };
             let logprobs = want_logprobs
                 .then(|| logprobs::completion(&tokenizer, std::slice::from_ref(token), std::slice::from_ref(top), 0));
-            serde_json::to_value(response_of(&chunk_meta, vec![CompletionChoice { index: msg.index, text, logprobs, finish_reason: finish }], None)).ok()
+            let choice = CompletionChoice { index: msg.index, text, logprobs, prompt_logprobs: None, finish_reason: finish };
+            serde_json::to_value(response_of(&chunk_meta, vec![choice], None)).ok()
         };
         let usage = req.sampling.include_usage().then(|| {
             Box::new(move |u: Usage| serde_json::to_value(response_of(&meta, vec![], Some(u))).unwrap_or_default())
@@ -99,19 +128,31 @@ pub async fn completions(
     let mut choices = Vec::new();
     for (p, responses) in per_prompt.iter().enumerate() {
         for (i, r) in responses.iter().enumerate() {
-            let echo = if req.echo { prompts[p].as_str() } else { "" };
+            let echo = if req.echo { prompts[p].0.as_str() } else { "" };
             choices.push(CompletionChoice {
                 index: (p as u32) * n + i as u32,
                 text: format!("{echo}{}", r.generated_text.text),
                 logprobs: req
                     .logprobs
                     .map(|_| logprobs::completion(&tokenizer, &r.tokens, &r.top_tokens, echo.chars().count())),
+                prompt_logprobs: want_prompt_logprobs.then(|| prompt_logprobs(&r.prefill)),
                 finish_reason: Some(r.generated_text.finish_reason.openai().to_string()),
             });
         }
     }
     let body = response_of(&meta, choices, Some(Usage::new(prompt_tokens, completion_tokens)));
     Ok((headers, Json(body)).into_response())
+}
+
+/// vLLM's shape: per prompt token `{"<id>": {"logprob", "decoded_token"}}`, `null`
+/// where there is none (the first token; tokens served from the prefix cache).
+fn prompt_logprobs(prefill: &[PrefillToken]) -> Vec<Option<serde_json::Value>> {
+    prefill
+        .iter()
+        .map(|t| {
+            t.logprob.map(|lp| serde_json::json!({ t.id.to_string(): { "logprob": lp, "decoded_token": t.text } }))
+        })
+        .collect()
 }
 
 fn response_of(meta: &ResponseMeta, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> CompletionResponse {

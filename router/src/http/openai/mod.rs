@@ -14,9 +14,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::extract::State;
 use axum::Json;
 
-use super::types::GenerateParameters;
+use super::types::{GenerateParameters, SamplingExtras};
 use super::AppState;
-use crate::error::{ErrorBody, RouterError};
+use crate::error::{OpenAiErrorBody, RouterError};
 use types::{ModelCard, ModelList, SamplingParams};
 
 /// What every response and chunk of one request repeats.
@@ -82,6 +82,12 @@ impl SamplingParams {
             repetition_penalty: self.repetition_penalty,
             top_n_tokens: top_n_tokens.map(i64::from),
             grammar: self.response_format.as_ref().and_then(|f| f.to_grammar()),
+            ignore_eos_token: self.ignore_eos,
+            extras: SamplingExtras {
+                min_new_tokens: self.min_tokens,
+                stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
+                logit_bias: self.logit_bias.iter().flatten().map(|(k, v)| (k.clone(), *v)).collect(),
+            },
             ..Default::default()
         })
     }
@@ -94,7 +100,7 @@ impl SamplingParams {
 /// The served model, in OpenAI's list format.
 #[utoipa::path(get, path = "/v1/models", tag = "OpenAI",
     responses((status = 200, description = "The served model", body = ModelList),
-              (status = 401, description = "Missing or wrong API key", body = ErrorBody)))]
+              (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody)))]
 pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
     Json(ModelList {
         object: "list".into(),
@@ -128,6 +134,26 @@ mod tests {
         assert_eq!(p.top_p, Some(1.0));
         assert_eq!(p.stop, vec!["\n".to_string()]);
         assert_eq!(p.top_n_tokens, Some(2));
+    }
+
+    #[test]
+    fn vllm_extras_reach_the_parameters() {
+        let s = SamplingParams {
+            ignore_eos: true,
+            min_tokens: Some(3),
+            stop_token_ids: Some(vec![7, 9]),
+            logit_bias: Some([("504".to_string(), 100.0)].into_iter().collect()),
+            top_k: Some(5),
+            min_p: Some(0.1),
+            repetition_penalty: Some(1.2),
+            ..Default::default()
+        };
+        let p = s.to_parameters(Some(8), None).unwrap();
+        assert!(p.ignore_eos_token);
+        assert_eq!(p.extras.min_new_tokens, Some(3));
+        assert_eq!(p.extras.stop_token_ids, vec![7, 9]);
+        assert_eq!(p.extras.logit_bias, vec![("504".to_string(), 100.0)]);
+        assert_eq!((p.top_k, p.min_p, p.repetition_penalty), (Some(5), Some(0.1), Some(1.2)));
     }
 
     #[test]

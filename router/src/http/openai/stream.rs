@@ -1,7 +1,8 @@
 //! OpenAI streaming: the `n` (x prompts) sequences of a request merged into
 //! one SSE stream of chunks tagged by choice index, then an optional usage
 //! chunk, then `data: [DONE]`. A failure ends the stream with an error event
-//! `{error, error_type}` (the `openai` client raises `APIError` on it).
+//! in OpenAI's shape `{"error": {message, type, param, code}}` (the `openai`
+//! client raises `APIError` on it).
 
 use std::convert::Infallible;
 
@@ -82,7 +83,7 @@ pub fn sse(handles: Vec<(u32, StreamHandle)>, prompt_tokens: u32, chunk: ChunkFn
                     None => st.phase = if st.usage.is_some() { Phase::Usage } else { Phase::Done },
                     Some(Err(e)) => {
                         st.phase = Phase::Over;
-                        return Some((json_event(&e.body()), st));
+                        return Some((json_event(&e.openai_body()), st));
                     }
                     Some(Ok(msg)) => {
                         if let ChoiceEvent::End { generated, .. } = &msg.event {

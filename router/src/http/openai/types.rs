@@ -1,6 +1,9 @@
 //! OpenAI-compatible request and response bodies (`/v1/completions`,
-//! `/v1/chat/completions`, `/v1/models`). Unknown request fields are
-//! ignored, as OpenAI-compatible servers do, so newer clients keep working.
+//! `/v1/chat/completions`, `/v1/models`). Every request field is honoured or
+//! rejected: an unknown field is a 400 naming it (`OpenAiJson` checks bodies
+//! against `FIELDS`), never silently ignored.
+
+use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
@@ -25,6 +28,7 @@ impl StringOrList {
 }
 
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct StreamOptions {
     /// Send one last chunk with `usage` (and no choices) before `[DONE]`.
     #[serde(default, deserialize_with = "null_default")]
@@ -59,13 +63,75 @@ pub struct SamplingParams {
     pub min_p: Option<f32>,
     /// Extension: repetition penalty (1 disables).
     pub repetition_penalty: Option<f32>,
+    /// A label for the end user; accepted and not used (no per-user policy).
     pub user: Option<String>,
+    /// Extension (vLLM): generate past EOS until `max_tokens`.
+    #[serde(default, deserialize_with = "null_default")]
+    pub ignore_eos: bool,
+    /// Extension (vLLM): EOS, `stop_token_ids` and `stop` cannot end the output before this many tokens.
+    pub min_tokens: Option<i64>,
+    /// Extension (vLLM): token ids that end the output like EOS (the token is kept in the output).
+    pub stop_token_ids: Option<Vec<i64>>,
+    /// Token id (as a string) -> bias in [-100, 100] added to its logit before sampling.
+    pub logit_bias: Option<BTreeMap<String, f32>>,
+}
+
+/// Every field `SamplingParams` reads (the shared part of both request bodies).
+pub const SAMPLING_FIELDS: &[&str] = &[
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "presence_penalty",
+    "frequency_penalty", "seed", "response_format", "top_k", "min_p", "repetition_penalty", "user", "ignore_eos",
+    "min_tokens", "stop_token_ids", "logit_bias",
+];
+
+/// An OpenAI request body: the fields it accepts, for `OpenAiJson`'s
+/// unknown-field check (a unit test holds them equal to the OpenAPI schema).
+pub trait OpenAiBody {
+    /// The route's own fields; `SAMPLING_FIELDS` come on top.
+    const FIELDS: &'static [&'static str];
+}
+
+impl OpenAiBody for CompletionRequest {
+    const FIELDS: &'static [&'static str] = &["prompt", "logprobs", "echo", "prompt_logprobs"];
+}
+
+impl OpenAiBody for ChatCompletionRequest {
+    const FIELDS: &'static [&'static str] =
+        &["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "chat_template_kwargs"];
+}
+
+/// `/v1/completions`' prompt: text, texts, token ids, or lists of token ids
+/// (several prompts), as OpenAI's and vLLM's.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Texts(Vec<String>),
+    Ids(Vec<u32>),
+    IdLists(Vec<Vec<u32>>),
+}
+
+/// One prompt of a request.
+#[derive(Debug, Clone)]
+pub enum PromptInput {
+    Text(String),
+    Ids(Vec<u32>),
+}
+
+impl Prompt {
+    pub fn into_inputs(self) -> Vec<PromptInput> {
+        match self {
+            Prompt::Text(t) => vec![PromptInput::Text(t)],
+            Prompt::Texts(v) => v.into_iter().map(PromptInput::Text).collect(),
+            Prompt::Ids(ids) => vec![PromptInput::Ids(ids)],
+            Prompt::IdLists(v) => v.into_iter().map(PromptInput::Ids).collect(),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct CompletionRequest {
-    /// A prompt or a list of prompts.
-    pub prompt: StringOrList,
+    /// A prompt, a list of prompts, a list of token ids, or a list of lists of token ids.
+    pub prompt: Prompt,
     #[serde(flatten)]
     pub sampling: SamplingParams,
     /// Return logprobs of the chosen tokens and of the `logprobs` most likely ones.
@@ -73,6 +139,9 @@ pub struct CompletionRequest {
     /// Prepend the prompt to the completion.
     #[serde(default, deserialize_with = "null_default")]
     pub echo: bool,
+    /// Extension (vLLM): return the logprob of each prompt token in `choices[].prompt_logprobs`
+    /// (`null` for the first). Only 0 is supported: the prompt's own tokens, no alternatives.
+    pub prompt_logprobs: Option<u32>,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -89,9 +158,13 @@ pub enum MessageContent {
     Parts(Vec<ContentPart>),
 }
 
+/// Roles a chat message may have (OpenAI's set); anything else is a 400.
+pub const ROLES: &[&str] = &["system", "developer", "user", "assistant", "tool"];
+
 #[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
 pub struct ChatMessage {
-    /// "system", "user", "assistant", "tool", ... (whatever the template knows).
+    /// One of `ROLES`; "developer" is rendered as "system".
     pub role: String,
     pub content: Option<MessageContent>,
     pub name: Option<String>,
@@ -143,6 +216,9 @@ pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
+    /// With `prompt_logprobs`: per prompt token `{token id: {logprob, rank, decoded_token}}`, `null` first.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub prompt_logprobs: Option<Vec<Option<serde_json::Value>>>,
     /// "stop" or "length"; `null` in stream chunks until the last.
     pub finish_reason: Option<String>,
 }
