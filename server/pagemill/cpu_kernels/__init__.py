@@ -166,7 +166,6 @@ def _load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
 
 def _build(cxx: str, flags: list[str]) -> Path:
     source = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
-    flags = [*_FLAGS, *extra_flags]
     # -march=native: the binary is only valid for this CPU, so its flags are part of the key.
     key = hashlib.sha256(source + " ".join([cxx, *flags, _cpu_flags()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("PAGEMILL_KERNEL_CACHE") or Path.home() / ".cache" / "pagemill" / "kernels")
