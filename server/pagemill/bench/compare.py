@@ -23,6 +23,7 @@ import asyncio
 import glob
 import json
 import os
+import shlex
 import signal
 import statistics
 import subprocess
@@ -205,7 +206,7 @@ def run_compare(a) -> dict:
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     values = placeholders(os.path.abspath(a.peers_dir), model_dir, a.port)
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu, "args": vars(a), "model_dir": model_dir,
-           "command": " ".join(sys.argv), "throughput_ref": a.throughput_ref,
+           "command": "pagemill " + shlex.join(sys.argv[1:]), "throughput_ref": a.throughput_ref,
            "latency_refs": a.latency_refs.split(","),
            "servers": [{"name": c.name, "precision": c.precision, "command": c.argv(values),
                         "env": c.environment(values), "runs": []} for c in configs]}  # fmt: skip
@@ -242,7 +243,7 @@ def write(res: dict, out: str, merge: str | None = None) -> dict:
     summaries = {s["name"]: s["summary"] for s in servers}
     refs = tuple(res["latency_refs"])
     res["ratios"] = rep.ratios(summaries, res["throughput_ref"], refs)
-    table = rep.markdown_table(servers, res["ratios"], res["throughput_ref"], refs)
+    table = rep.markdown_table(servers, res["ratios"], res["throughput_ref"], refs, res["args"]["concurrency"])
     with open(os.path.join(out, "compare.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     with open(os.path.join(out, "compare.md"), "w") as f:
@@ -250,7 +251,7 @@ def write(res: dict, out: str, merge: str | None = None) -> dict:
     try:
         from pagemill.bench.compare_plot import compare_plot
 
-        compare_plot(servers, rep.cpu_line(res["cpu"]), os.path.join(out, "compare.png"))
+        compare_plot(servers, rep.cpu_line(res["cpu"]), res["args"]["concurrency"], os.path.join(out, "compare.png"))
     except ImportError as e:  # matplotlib is in the optional `bench` extra
         _log(f"no plot: {e}")
     return res

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def compare_plot(servers: list[dict], cpu_line: str, path: str) -> str:
+def compare_plot(servers: list[dict], cpu_line: str, concurrency: int, path: str) -> str:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -22,12 +22,12 @@ def compare_plot(servers: list[dict], cpu_line: str, path: str) -> str:
     ax = axes[0]
     bars = ax.bar(x, col("output_tok_s"), color=["tab:red" if not s["tokens_ok"] else "tab:blue" for s in sums])
     ax.bar_label(bars, fmt="%.0f", fontsize=8)
-    ax.set_title("output tok/s at 64 concurrent (red: short outputs)")
+    ax.set_title(f"output tok/s at {concurrency} concurrent (red: short outputs)")
     w = 0.4
     axes[1].bar(x - w / 2, np.array(col("ttft_p50_ms")) / 1e3, w, label="TTFT p50")
     axes[1].bar(x + w / 2, np.array(col("ttft_p99_ms")) / 1e3, w, label="TTFT p99")
-    axes[1].set_title("time to first token at 64 concurrent (s)")
-    axes[2].bar(x - w / 2, col("tpot_p50_ms"), w, label="TPOT p50 at c=64")
+    axes[1].set_title(f"time to first token at {concurrency} concurrent (s)")
+    axes[2].bar(x - w / 2, col("tpot_p50_ms"), w, label=f"TPOT p50 at c={concurrency}")
     axes[2].bar(x + w / 2, col("batch1_ms_per_token"), w, label="batch-1 ms/token")
     axes[2].set_title("time per output token (ms)")
     for ax in axes:

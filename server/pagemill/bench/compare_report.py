@@ -100,9 +100,9 @@ def _x(v: float | None) -> str:
 
 
 def markdown_table(rows: list[dict], ratio_rows: dict[str, dict], throughput_ref: str,
-                   latency_refs: tuple[str, ...]) -> str:  # fmt: skip
+                   latency_refs: tuple[str, ...], concurrency: int = 64) -> str:  # fmt: skip
     """rows: {name, precision, summary}; one line per server, in run order."""
-    head = ["server", "precision", "out tok/s c=64", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+    head = ["server", "precision", f"out tok/s c={concurrency}", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
             "batch-1 ms/token", "RSS MiB", f"tok/s vs {throughput_ref}",
             *[f"batch-1 vs {r}" for r in latency_refs], "output tokens"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 3)) + " | --- |"]
