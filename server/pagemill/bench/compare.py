@@ -268,6 +268,10 @@ def summary_markdown(res: dict, table: str) -> str:
              f"{a['batch1_output_len']} output tokens. Medians of {min(runs, default=0)}-{max(runs, default=0)} "
              "fresh-start runs per server; RSS: the whole process tree after warm-up.", "",
              table, "", f"Command: `{res['command']}`", ""]  # fmt: skip
+    loads = [f"{s['name']} " + "/".join(f"{r['load_before']:.1f}" for r in s["runs"] if "load_before" in r)
+             for s in res["servers"]]  # fmt: skip
+    lines += ["1-min load average before each run (2 cores; other work on the machine distorts every figure): "
+              + ", ".join(loads), ""]  # fmt: skip
     failed = [(s["name"], r["failed"]) for s in res["servers"] for r in s["runs"] if "failed" in r]
     if failed:
         lines += ["Failed runs:", "", *[f"- {n}: {e}" for n, e in failed], ""]
