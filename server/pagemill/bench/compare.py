@@ -93,9 +93,10 @@ class PeerServer:
         self.started = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         while time.monotonic() - self.started < self.timeout_s:
-            if self.proc.poll() is not None:
+            rc = self.proc.poll()
+            if rc is not None:
                 self.__exit__()
-                raise RuntimeError(f"{self.config.name} exited with {self.proc.returncode}; see {self.log_path}")
+                raise RuntimeError(f"{self.config.name} exited with {rc}; see {self.log_path}")
             try:
                 if httpx.get(self.base_url + self.config.ready_path, timeout=2).status_code == 200:
                     self.ready_s = time.monotonic() - self.started

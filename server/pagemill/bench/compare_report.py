@@ -108,7 +108,7 @@ def markdown_table(rows: list[dict], ratio_rows: dict[str, dict], throughput_ref
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 3)) + " | --- |"]
     for row in rows:
         s, r = row["summary"], ratio_rows.get(row["name"], {})
-        check = "all requested" if s["tokens_ok"] else "**SHORT: " + "; ".join(s["token_notes"] or ["?"]) + "**"
+        check = "no run finished" if not s["runs"] else "all requested" if s["tokens_ok"] else "**SHORT: " + "; ".join(s["token_notes"] or ["?"]) + "**"
         cells = [row["name"], row["precision"], _f(s["output_tok_s"], ".1f"), _f(s["ttft_p50_ms"], ".0f"),
                  _f(s["ttft_p99_ms"], ".0f"), _f(s["tpot_p50_ms"], ".1f"), _f(s["batch1_ms_per_token"], ".1f"),
                  _f(s["rss_mib"], ".0f"), _x(r.get(f"tok_s_vs_{throughput_ref}")),
