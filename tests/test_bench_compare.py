@@ -115,3 +115,10 @@ def test_generic_server_spec_and_errors():
         select("pagemill-fp32,nope", set())
     with pytest.raises(ValueError, match="twice"):
         select("pagemill-fp32", set(), ["pagemill-fp32:fp32:"])
+
+
+def test_markdown_table_names_a_server_with_no_finished_run():
+    rows = [{"name": "llamacpp-q4_1", "precision": "q4_1", "summary": rep.median_summary([])}]
+    table = rep.markdown_table(rows, {}, "vllm-bf16", ("llamacpp-bf16",), concurrency=16)
+    assert "out tok/s c=16" in table.splitlines()[0]
+    assert "no run finished" in table.splitlines()[2]
