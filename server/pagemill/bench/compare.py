@@ -212,6 +212,9 @@ def run_compare(a) -> dict:
            "servers": [{"name": c.name, "precision": c.precision, "command": c.argv(values),
                         "env": c.environment(values), "runs": []} for c in configs]}  # fmt: skip
     _log(rep.cpu_line(cpu))
+    # A SIGTERM (e.g. `timeout`) unwinds like Ctrl-C: the running server's
+    # whole tree is stopped on the way out, not left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     for run in range(a.runs):
         for c, entry in zip(configs, res["servers"]):
             _log(f"run {run + 1}/{a.runs}: {c.name}")
