@@ -92,10 +92,16 @@ class PeerServer:
         self.log.flush()
         self.started = time.monotonic()
         self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return self._wait_ready()
+        except BaseException:  # a `with` never exits what failed to enter: stop it here
+            self.__exit__()
+            raise
+
+    def _wait_ready(self) -> "PeerServer":
         while time.monotonic() - self.started < self.timeout_s:
             rc = self.proc.poll()
             if rc is not None:
-                self.__exit__()
                 raise RuntimeError(f"{self.config.name} exited with {rc}; see {self.log_path}")
             try:
                 if httpx.get(self.base_url + self.config.ready_path, timeout=2).status_code == 200:
@@ -104,7 +110,6 @@ class PeerServer:
             except httpx.HTTPError:
                 pass
             time.sleep(1.0)
-        self.__exit__()
         raise TimeoutError(f"{self.config.name} not ready after {self.timeout_s:.0f}s; see {self.log_path}")
 
     def tree(self):
