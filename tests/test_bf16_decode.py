@@ -24,6 +24,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from test_fused_decode import Spy
 from test_model import BLOCK_SIZE, PagedHarness, hf_logits, prompts
 
 from pagemill.attention.metadata import make_metadata
@@ -128,18 +129,6 @@ def check_against_transformers(name: str, model_dir: str, model, config) -> None
         ours_fp, hf_fp = max(ours_fp, rel_err(lg, fp)), max(hf_fp, rel_err(bf, fp))
     assert ours_fp < 1.5 * hf_fp, f"{name}: {ours_fp:.2e} from float32, HF bf16 {hf_fp:.2e}"
     assert sum(w.startswith("decode") for w, *_ in seen) == 3 * 20 + 14
-
-
-class Spy:
-    def __init__(self, inner) -> None:
-        self.inner, self.calls = inner, 0
-
-    def applies(self, *args) -> bool:
-        return self.inner.applies(*args)
-
-    def __call__(self, *args):
-        self.calls += 1
-        return self.inner(*args)
 
 
 @pytest.mark.parametrize("mul", MULS)
