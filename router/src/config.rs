@@ -17,6 +17,10 @@ pub struct RouterConfig {
     /// Chunked prefill: at most this many prompt tokens per step, long
     /// prompts split across steps with decode steps in between; `None`: off.
     pub prefill_chunk_tokens: Option<u32>,
+    /// Mixed steps: each step computes every running decode token plus
+    /// prompt chunks up to this many tokens in all (vLLM's
+    /// max_num_batched_tokens); `None`: a step is either a prefill or a decode.
+    pub max_num_batched_tokens: Option<u32>,
     /// Upper bound on tokens (prompt + max_new_tokens) of all running
     /// sequences; `None` lets the KV pool size decide.
     pub max_batch_total_tokens: Option<u32>,
@@ -53,6 +57,7 @@ impl Default for RouterConfig {
             max_total_tokens: 2048,
             max_batch_prefill_tokens: 4096,
             prefill_chunk_tokens: None,
+            max_num_batched_tokens: None,
             max_batch_total_tokens: None,
             max_batch_size: 256,
             max_concurrent_requests: 128,
@@ -90,6 +95,9 @@ impl RouterConfig {
         }
         if self.prefill_chunk_tokens == Some(0) {
             return Err("prefill_chunk_tokens must be positive (leave it unset to disable chunked prefill)".into());
+        }
+        if self.max_num_batched_tokens == Some(0) {
+            return Err("max_num_batched_tokens must be positive (leave it unset for separate prefill and decode steps)".into());
         }
         if self.max_best_of == 0 {
             return Err("max_best_of must be positive".into());

@@ -59,6 +59,9 @@ def _add_router_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill-chunk-tokens", type=int, default=0,
                    help="chunked prefill: at most N prompt tokens per step, long prompts split across steps "
                         "with decode steps in between (0: off)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=0,
+                   help="mixed steps: each step computes every running sequence's decode token plus prompt "
+                        "chunks, up to N tokens in all (0: a step is either a prefill or a decode)")
     p.add_argument("--max-batch-total-tokens", type=int, default=None,
                    help="token budget of the running batch (default: what the KV pool holds)")
     p.add_argument("--max-batch-size", type=int, default=256)
@@ -177,6 +180,7 @@ def router_kwargs(a: argparse.Namespace) -> dict:
         hostname=a.hostname, port=a.port, max_input_tokens=a.max_input_tokens,
         max_total_tokens=a.max_total_tokens, max_batch_prefill_tokens=a.max_batch_prefill_tokens,
         prefill_chunk_tokens=a.prefill_chunk_tokens or None,
+        max_num_batched_tokens=a.max_num_batched_tokens or None,
         max_batch_total_tokens=a.max_batch_total_tokens, max_batch_size=a.max_batch_size,
         max_concurrent_requests=a.max_concurrent_requests, max_stop_sequences=a.max_stop_sequences,
         max_top_n_tokens=a.max_top_n_tokens, default_max_new_tokens=a.default_max_new_tokens,
