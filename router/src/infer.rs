@@ -6,12 +6,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::collections::VecDeque;
+
+use rand::Rng;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::RouterError;
 use crate::http::types::{GenerateParameters, PrefillToken, Token};
-use crate::queue::{Entry, GeneratedText, InferStreamResponse, ResponseRx};
+use crate::queue::{Entry, ResponseRx};
 use crate::state::RouterState;
+use crate::stream::{GeneratedText, InferStreamResponse, TextContext, TextStream};
 use crate::validation::{ValidRequest, Validation};
 
 #[derive(Clone)]
@@ -27,6 +31,7 @@ pub struct Infer {
     cutoff: Arc<watch::Sender<bool>>,
     next_id: Arc<AtomicU64>,
     state: Arc<RouterState>,
+    text: TextContext,
 }
 
 /// What to generate from: the prompt text and the TGI parameters every
@@ -82,20 +87,40 @@ pub struct StreamHandle {
     last_token: Option<Instant>,
     cutoff: watch::Receiver<bool>,
     state: Arc<RouterState>,
+    /// Token ids become text here, and stop sequences end the stream here.
+    text: TextStream,
+    pending: VecDeque<InferStreamResponse>,
 }
 
 impl StreamHandle {
     /// The next message of the stream, with TTFT / inter-token / end-to-end
     /// latency recorded as the client will see it.
     pub async fn next(&mut self) -> Option<Result<InferStreamResponse, RouterError>> {
-        let msg = tokio::select! {
-            biased;
-            msg = self.rx.recv() => msg?,
-            // A dropped sender (the router is gone) disables this branch.
-            Ok(_) = self.cutoff.wait_for(|cut| *cut) => {
-                return Some(Err(RouterError::ShuttingDown(
-                    "the shutdown timeout passed before this request finished".into(),
-                )))
+        let msg = loop {
+            if let Some(m) = self.pending.pop_front() {
+                if matches!(m, InferStreamResponse::End { .. }) {
+                    // The scheduler sees the stream closed and lets the sequence go
+                    // (a stop sequence ends it like a disconnect would).
+                    self.rx.close();
+                }
+                break Ok(m);
+            }
+            if self.text.ended() {
+                return None;
+            }
+            let event = tokio::select! {
+                biased;
+                msg = self.rx.recv() => msg?,
+                // A dropped sender (the router is gone) disables this branch.
+                Ok(_) = self.cutoff.wait_for(|cut| *cut) => {
+                    return Some(Err(RouterError::ShuttingDown(
+                        "the shutdown timeout passed before this request finished".into(),
+                    )))
+                }
+            };
+            match event {
+                Ok(event) => self.text.apply(event, &mut self.pending),
+                Err(e) => break Err(e),
             }
         };
         let now = Instant::now();
@@ -169,6 +194,7 @@ impl Infer {
         max_concurrent_requests: u32,
         max_queue_wait: Option<Duration>,
         state: Arc<RouterState>,
+        text: TextContext,
     ) -> Self {
         Self {
             validation,
@@ -179,6 +205,7 @@ impl Infer {
             cutoff: Arc::new(watch::channel(false).0),
             next_id: Arc::new(AtomicU64::new(0)),
             state,
+            text,
         }
     }
 
@@ -244,7 +271,7 @@ impl Infer {
         self.refuse_if_draining()?;
         let permit = Arc::new(permit);
         self.validation.check_fanout(name, n)?;
-        let request = self
+        let mut request = self
             .validation
             .validate(input.inputs, input.input_ids, input.parameters, input.add_special_tokens)
             .await?;
@@ -253,6 +280,15 @@ impl Infer {
             return Err(RouterError::Validation(format!(
                 "`{name}` > 1 requires sampling: set a temperature > 0 (or `do_sample`)"
             )));
+        }
+        // Every sampled sequence gets a seed, so that it is reported and a
+        // recomputed (preempted) sequence draws the same tokens again.
+        if request.parameters.do_sample && request.seed.is_none() {
+            request.seed = Some(rand::rng().random());
+        }
+        if let Some(seed) = request.seed {
+            request.parameters.seed = seed;
+            request.parameters.has_seed = true;
         }
         let first_id = self.next_id.fetch_add(n as u64, Ordering::Relaxed);
         let group = (n > 1).then_some(first_id);
@@ -281,6 +317,7 @@ impl Infer {
             self.queue_tx
                 .send(entry)
                 .map_err(|_| RouterError::Unhealthy("the scheduler has stopped".into()))?;
+            let text = TextStream::new(self.text.clone(), &request, queued_at);
             handles.push(StreamHandle {
                 permit: permit.clone(),
                 request,
@@ -290,6 +327,8 @@ impl Infer {
                 last_token: None,
                 cutoff: self.cutoff.subscribe(),
                 state: self.state.clone(),
+                text,
+                pending: VecDeque::new(),
             });
         }
         RouterState::add(&self.state.requests_total, 1);

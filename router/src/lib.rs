@@ -16,6 +16,7 @@ pub mod queue;
 pub mod scheduler;
 pub mod state;
 pub mod stop;
+pub mod stream;
 pub mod validation;
 #[cfg(feature = "python")]
 mod python;
@@ -102,16 +103,12 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         budget,
         speculate: shard_info.speculate,
         order: if config.cache_aware_admission { AdmissionOrder::LongestPrefix } else { AdmissionOrder::Fifo },
+        max_num_batched_tokens: config.max_num_batched_tokens,
     };
     let (queue_tx, queue_rx) = mpsc::unbounded_channel();
-    let scheduler = Scheduler::new(
-        client.clone(),
-        kv,
-        tokenizer.clone(),
-        scheduler_config,
-        queue_rx,
-        state.clone(),
-    );
+    let scheduler = Scheduler::new(client.clone(), kv, scheduler_config, queue_rx, state.clone());
+    // Alive from here, so that /health is right before the task first runs.
+    state.scheduler_alive.store(true, Ordering::SeqCst);
     let scheduler_task = tokio::spawn(scheduler.run());
 
     let limits = Limits {
@@ -124,11 +121,12 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         vocab_size: shard_info.vocab_size,
     };
     let infer = Infer::new(
-        Validation::new(tokenizer, limits),
+        Validation::new(tokenizer.clone(), limits),
         queue_tx,
         config.max_concurrent_requests,
         (config.max_queue_wait_ms > 0).then(|| Duration::from_millis(config.max_queue_wait_ms)),
         state.clone(),
+        stream::TextContext::new(tokenizer.clone()),
     );
     let chat_template = chat_template::ChatTemplate::load(&config.tokenizer_dir);
     if let Err(e) = &chat_template {

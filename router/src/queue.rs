@@ -1,16 +1,45 @@
 //! What travels from the HTTP side to the scheduler: one `Entry` per request,
-//! and the stream of `InferStreamResponse`s back.
+//! and the stream of token-id `SeqEvent`s back. Text (detokenization, stop
+//! sequences) is made on the stream's side (`stream.rs`), not here.
 
 use std::time::Instant;
 
 use tokio::sync::mpsc;
 
 use crate::error::RouterError;
-use crate::http::types::{FinishReason, PrefillToken, Token};
+use crate::proto::pb;
 use crate::validation::ValidRequest;
 
-pub type ResponseTx = mpsc::UnboundedSender<Result<InferStreamResponse, RouterError>>;
-pub type ResponseRx = mpsc::UnboundedReceiver<Result<InferStreamResponse, RouterError>>;
+pub type ResponseTx = mpsc::UnboundedSender<Result<SeqEvent, RouterError>>;
+pub type ResponseRx = mpsc::UnboundedReceiver<Result<SeqEvent, RouterError>>;
+
+/// Why the shard (or the router's length guard) ended a sequence.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Finish {
+    Length,
+    EosToken,
+    /// One of the request's `stop_token_ids`.
+    StopToken,
+}
+
+/// What the scheduler tells a request's stream, in token ids.
+#[derive(Debug, Clone)]
+pub enum SeqEvent {
+    /// Prompt token ids with logprobs (first NaN), sent first when
+    /// `decoder_input_details`.
+    Prefill { ids: Vec<u32>, logprobs: Vec<f32> },
+    /// Tokens of one step (one, or several with speculation); `finish` is
+    /// set on the last event of the sequence.
+    Tokens {
+        ids: Vec<u32>,
+        logprobs: Vec<f32>,
+        /// One entry per id when top-n alternatives were asked for.
+        top: Vec<pb::Tokens>,
+        finish: Option<Finish>,
+        /// When the sequence was (last) admitted.
+        started_at: Instant,
+    },
+}
 
 #[derive(Debug)]
 pub struct Entry {
@@ -27,7 +56,8 @@ pub struct Entry {
 }
 
 impl Entry {
-    /// The client went away (HTTP connection dropped its receiver).
+    /// The client went away (HTTP connection dropped its receiver), or its
+    /// stream ended it (a stop sequence matched).
     pub fn is_cancelled(&self) -> bool {
         self.response_tx.is_closed()
     }
@@ -51,31 +81,6 @@ impl Entry {
             "waited {waited} ms in the queue without being scheduled"
         ))));
     }
-}
-
-#[derive(Debug, Clone)]
-pub struct GeneratedText {
-    pub text: String,
-    pub generated_tokens: u32,
-    pub finish_reason: FinishReason,
-    pub seed: Option<u64>,
-}
-
-#[derive(Debug, Clone)]
-pub enum InferStreamResponse {
-    /// Prompt tokens with logprobs, sent first when `decoder_input_details`.
-    Prefill(Vec<PrefillToken>),
-    Token {
-        token: Token,
-        top_tokens: Vec<Token>,
-    },
-    End {
-        token: Token,
-        top_tokens: Vec<Token>,
-        generated_text: GeneratedText,
-        queued_at: Instant,
-        started_at: Instant,
-    },
 }
 
 #[cfg(test)]

@@ -5,6 +5,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 #[derive(Debug, Default)]
 pub struct RouterState {
     pub healthy: AtomicBool,
+    /// True while the batching loop runs; it clears it when it ends or
+    /// panics, and `/health` answers 503 from then on.
+    pub scheduler_alive: AtomicBool,
     /// Set on SIGTERM: generation routes answer 503 `shutting_down` and
     /// `/health` 503 while accepted requests finish.
     pub draining: AtomicBool,

@@ -52,22 +52,7 @@ impl ShardClient {
         Ok(self.inner.warmup(req).await?.into_inner())
     }
 
-    pub async fn prefill(&mut self, req: pb::PrefillRequest) -> Rpc<pb::PrefillResponse> {
-        Ok(self.inner.prefill(req).await?.into_inner())
-    }
-
-    pub async fn decode(&mut self, req: pb::DecodeRequest) -> Rpc<pb::DecodeResponse> {
-        Ok(self.inner.decode(req).await?.into_inner())
-    }
-
-    pub async fn filter_batch(
-        &mut self,
-        req: pb::FilterBatchRequest,
-    ) -> Rpc<pb::FilterBatchResponse> {
-        Ok(self.inner.filter_batch(req).await?.into_inner())
-    }
-
-    pub async fn clear_cache(&mut self, req: pb::ClearCacheRequest) -> Rpc<pb::ClearCacheResponse> {
-        Ok(self.inner.clear_cache(req).await?.into_inner())
+    pub async fn step(&mut self, req: pb::StepRequest) -> Rpc<pb::StepResponse> {
+        Ok(self.inner.step(req).await?.into_inner())
     }
 }

@@ -65,6 +65,12 @@ impl ShardedClient {
         Ok(Self { clients })
     }
 
+    /// A client with no shard behind it, for tests of what must not reach one.
+    #[cfg(test)]
+    pub fn disconnected() -> Self {
+        Self { clients: Vec::new() }
+    }
+
     pub fn num_shards(&self) -> usize {
         self.clients.len()
     }
@@ -90,22 +96,7 @@ impl ShardedClient {
         Ok(best)
     }
 
-    pub async fn prefill(&mut self, req: pb::PrefillRequest) -> Result<pb::PrefillResponse, tonic::Status> {
-        fan_out!(self, prefill, req)
-    }
-
-    pub async fn decode(&mut self, req: pb::DecodeRequest) -> Result<pb::DecodeResponse, tonic::Status> {
-        fan_out!(self, decode, req)
-    }
-
-    pub async fn filter_batch(
-        &mut self,
-        req: pb::FilterBatchRequest,
-    ) -> Result<pb::FilterBatchResponse, tonic::Status> {
-        fan_out!(self, filter_batch, req)
-    }
-
-    pub async fn clear_cache(&mut self, batch_id: Option<u64>) -> Result<pb::ClearCacheResponse, tonic::Status> {
-        fan_out!(self, clear_cache, pb::ClearCacheRequest { batch_id })
+    pub async fn step(&mut self, req: pb::StepRequest) -> Result<pb::StepResponse, tonic::Status> {
+        fan_out!(self, step, req)
     }
 }

@@ -25,7 +25,7 @@ use crate::state::RouterState;
 
 /// Static facts for `/info`, fixed at startup. Field names follow TGI's
 /// `/info` so TGI clients and dashboards read them.
-#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
+#[derive(Debug, Clone, Default, serde::Serialize, utoipa::ToSchema)]
 pub struct ServerInfo {
     pub model_id: String,
     pub model_sha: Option<String>,

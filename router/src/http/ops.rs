@@ -13,12 +13,15 @@ use super::{AppState, ServerInfo};
 use crate::error::{ErrorBody, RouterError};
 use crate::state::RouterState;
 
-/// 200 when every shard answers, 503 otherwise.
+/// 200 when the batching loop runs and every shard answers, 503 otherwise.
 #[utoipa::path(get, path = "/health", tag = "Ops",
     responses((status = 200, description = "Shards answer"), (status = 503, description = "Unhealthy", body = ErrorBody)))]
 pub async fn health(State(app): State<AppState>) -> Result<Json<serde_json::Value>, RouterError> {
     if app.state.draining.load(Ordering::SeqCst) {
         return Err(RouterError::ShuttingDown("draining in-flight requests".into()));
+    }
+    if !app.state.scheduler_alive.load(Ordering::SeqCst) {
+        return Err(RouterError::Unhealthy("the batching loop has stopped".into()));
     }
     let mut client = app.client.clone();
     // A shard busy with a long forward still answers Health from its event loop.
@@ -68,4 +71,61 @@ pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
     responses((status = 200, description = "Prometheus metrics", body = String, content_type = "text/plain")))]
 pub async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&app.state))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+    use std::sync::Arc;
+
+    use tokenizers::Tokenizer;
+
+    use super::*;
+    use crate::client::ShardedClient;
+    use crate::infer::Infer;
+    use crate::stream::TextContext;
+    use crate::validation::{Limits, Validation};
+
+    fn app(state: Arc<RouterState>) -> AppState {
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "[UNK]": 1}, "unk_token": "[UNK]"}}"#;
+        let tokenizer = Arc::new(Tokenizer::from_str(json).unwrap());
+        let limits = Limits {
+            max_input_tokens: 4,
+            max_total_tokens: 8,
+            max_stop_sequences: 1,
+            max_top_n_tokens: 1,
+            default_max_new_tokens: 1,
+            max_best_of: 1,
+            vocab_size: 2,
+        };
+        let (queue_tx, _) = tokio::sync::mpsc::unbounded_channel();
+        let infer = Infer::new(
+            Validation::new(tokenizer.clone(), limits),
+            queue_tx,
+            1,
+            None,
+            state.clone(),
+            TextContext::new(tokenizer),
+        );
+        AppState {
+            infer,
+            info: Arc::new(ServerInfo::default()),
+            state,
+            client: ShardedClient::disconnected(),
+            chat_template: Arc::new(Err("none".into())),
+            api_key: None,
+            started_unix: 0,
+        }
+    }
+
+    #[tokio::test]
+    async fn health_is_503_once_the_batching_loop_is_gone() {
+        let state = Arc::new(RouterState::default());
+        state.scheduler_alive.store(false, Ordering::SeqCst);
+        let err = health(State(app(state))).await.unwrap_err();
+        assert_eq!(err.status(), axum::http::StatusCode::SERVICE_UNAVAILABLE);
+        assert!(err.to_string().contains("batching loop"), "{err}");
+    }
 }

@@ -18,7 +18,7 @@ use super::types::{
 use super::AppState;
 use crate::error::{ErrorBody, RouterError};
 use crate::infer::{GenerateInput, InferResponse, StreamHandle};
-use crate::queue::InferStreamResponse;
+use crate::stream::InferStreamResponse;
 
 /// Generate text for a prompt (whole response at once).
 #[utoipa::path(post, path = "/generate", tag = "TGI", request_body = GenerateRequest,

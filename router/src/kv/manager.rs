@@ -2,7 +2,7 @@
 //! cache behind one lock, and `KvBlocks`, a sequence's block table that
 //! releases its references on Drop.
 
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use super::block_allocator::BlockAllocator;
 use super::radix::RadixCache;
@@ -45,7 +45,10 @@ impl Inner {
     }
 }
 
-/// Cheap to clone: every clone is a handle on the same cache.
+/// Cheap to clone: every clone is a handle on the same cache. A panic while
+/// the lock is held cannot leave the pool half-updated in a way later
+/// callers would trip on (every mutation is a few field updates), so a
+/// poisoned lock is taken over instead of turning one panic into many.
 #[derive(Debug, Clone)]
 pub struct KvManager {
     inner: Arc<Mutex<Inner>>,
@@ -90,7 +93,7 @@ impl KvManager {
     }
 
     pub fn prefix_caching(&self) -> bool {
-        self.inner.lock().unwrap().prefix_caching
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).prefix_caching
     }
 
     pub fn capacity(&self) -> u32 {
@@ -103,11 +106,11 @@ impl KvManager {
 
     /// Blocks an allocation can get right now, evicting cached prefixes.
     pub fn available(&self) -> u32 {
-        self.inner.lock().unwrap().available()
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).available()
     }
 
     pub fn stats(&self) -> KvStats {
-        let g = self.inner.lock().unwrap();
+        let g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         KvStats {
             capacity: self.capacity,
             free: g.alloc.free_blocks(),
@@ -124,7 +127,7 @@ impl KvManager {
 
     /// Length in blocks of the cached prefix of `tokens`, without taking it.
     pub fn peek_prefix(&self, tokens: &[u32]) -> u32 {
-        let mut g = self.inner.lock().unwrap();
+        let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         if !g.prefix_caching {
             return 0;
         }
@@ -134,7 +137,7 @@ impl KvManager {
 
     /// A block table starting with the cached prefix of `tokens` (retained).
     pub fn acquire_prefix(&self, tokens: &[u32]) -> KvBlocks {
-        let mut g = self.inner.lock().unwrap();
+        let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         let ids = if g.prefix_caching {
             let max = self.max_cached_blocks(tokens);
             g.radix.match_prefix(tokens, max, true)
@@ -152,7 +155,7 @@ impl KvManager {
 
     /// `n` fresh blocks, evicting cached prefixes if needed; all-or-nothing.
     pub fn allocate(&self, n: u32) -> Option<KvBlocks> {
-        let ids = self.inner.lock().unwrap().allocate(n)?;
+        let ids = self.inner.lock().unwrap_or_else(PoisonError::into_inner).allocate(n)?;
         Some(KvBlocks {
             ids,
             manager: self.clone(),
@@ -162,7 +165,7 @@ impl KvManager {
     /// Indexes the full blocks of `tokens` (whose KV the shard has computed)
     /// so later requests can reuse them.
     pub fn commit(&self, blocks: &KvBlocks, tokens: &[u32]) {
-        let mut g = self.inner.lock().unwrap();
+        let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         if !g.prefix_caching {
             return;
         }
@@ -177,11 +180,11 @@ impl KvManager {
 
     /// Radix cache's token prefix ending at `block` (tests and checks).
     pub fn cached_prefix_of(&self, block: u32) -> Option<Vec<u32>> {
-        self.inner.lock().unwrap().radix.prefix_of(block)
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).radix.prefix_of(block)
     }
 
     pub fn refs(&self, block: u32) -> u32 {
-        self.inner.lock().unwrap().alloc.refs(block)
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner).alloc.refs(block)
     }
 }
 
@@ -214,7 +217,7 @@ impl KvBlocks {
     /// A table sharing this one's first `n` blocks (forks of `n`/`best_of`).
     pub fn share_prefix(&self, n: u32) -> KvBlocks {
         let ids: Vec<u32> = self.ids[..n as usize].to_vec();
-        let mut g = self.manager.inner.lock().unwrap();
+        let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
         for &id in &ids {
             g.retain(id);
         }
@@ -231,7 +234,7 @@ impl KvBlocks {
         if needed <= self.len() {
             return true;
         }
-        match self.manager.inner.lock().unwrap().allocate(needed - self.len()) {
+        match self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner).allocate(needed - self.len()) {
             Some(more) => {
                 self.ids.extend(more);
                 true
@@ -253,7 +256,7 @@ impl KvBlocks {
 
 impl Drop for KvBlocks {
     fn drop(&mut self) {
-        let mut g = self.manager.inner.lock().unwrap();
+        let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
         for &id in &self.ids {
             g.release(id);
         }

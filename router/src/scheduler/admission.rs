@@ -77,8 +77,15 @@ pub fn admit(budget: &Budget, running: Running, candidates: &[Candidate]) -> usi
 /// tokens left: candidates that fit whole, then possibly the start of the
 /// next one (if it is chunkable and fits every other budget). A candidate
 /// that cannot be split and exceeds the chunk goes alone into a step of its
-/// own, within `max_batch_prefill_tokens`.
-pub fn admit_chunked(budget: &Budget, running: Running, candidates: &[Candidate], step_tokens: u32) -> Admission {
+/// own, within `max_batch_prefill_tokens`, when `alone_ok` (no other prompt
+/// is in this step).
+pub fn admit_chunked(
+    budget: &Budget,
+    running: Running,
+    candidates: &[Candidate],
+    step_tokens: u32,
+    alone_ok: bool,
+) -> Admission {
     let per_step = Budget {
         max_batch_prefill_tokens: step_tokens.min(budget.max_batch_prefill_tokens),
         ..*budget
@@ -96,9 +103,7 @@ pub fn admit_chunked(budget: &Budget, running: Running, candidates: &[Candidate]
     if next.chunkable && left > 0 {
         return Admission { whole, partial: Some(left) };
     }
-    if whole == 0 && step_tokens == budget.prefill_chunk_tokens.unwrap_or(step_tokens)
-        && next.prefill_tokens <= budget.max_batch_prefill_tokens
-    {
+    if whole == 0 && alone_ok && next.prefill_tokens <= budget.max_batch_prefill_tokens {
         // Unsplittable and larger than a chunk: a prefill step of its own.
         return Admission { whole: 1, partial: None };
     }
@@ -240,30 +245,30 @@ mod tests {
     #[test]
     fn chunked_admission_starts_the_first_prompt_that_does_not_fit() {
         let c = vec![cand(20, 1), cand(25, 2), cand(40, 3), cand(5, 1)];
-        let a = admit_chunked(&chunked(50), idle(50), &c, 50);
+        let a = admit_chunked(&chunked(50), idle(50), &c, 50, true);
         assert_eq!(a, Admission { whole: 2, partial: Some(5) });
         // Exactly filling the chunk leaves nothing to start.
-        let a = admit_chunked(&chunked(45), idle(50), &c, 45);
+        let a = admit_chunked(&chunked(45), idle(50), &c, 45, true);
         assert_eq!(a, Admission { whole: 2, partial: None });
     }
 
     #[test]
     fn chunked_admission_still_needs_every_block_and_seat() {
         let c = vec![cand(80, 10)];
-        assert_eq!(admit_chunked(&chunked(50), idle(9), &c, 50), Admission { whole: 0, partial: None });
-        assert_eq!(admit_chunked(&chunked(50), idle(10), &c, 50), Admission { whole: 0, partial: Some(50) });
+        assert_eq!(admit_chunked(&chunked(50), idle(9), &c, 50, true), Admission { whole: 0, partial: None });
+        assert_eq!(admit_chunked(&chunked(50), idle(10), &c, 50, true), Admission { whole: 0, partial: Some(50) });
         let full = Running { sequences: 8, tokens: 0, available_blocks: 50 };
-        assert_eq!(admit_chunked(&chunked(50), full, &c, 50), Admission { whole: 0, partial: None });
+        assert_eq!(admit_chunked(&chunked(50), full, &c, 50, true), Admission { whole: 0, partial: None });
     }
 
     #[test]
     fn unsplittable_prompt_larger_than_a_chunk_gets_a_step_alone() {
         let fork = Candidate { sequences: 2, prefill_tokens: 90, tokens: 180, new_blocks: 4, chunkable: false };
-        assert_eq!(admit_chunked(&chunked(50), idle(50), &[fork], 50), Admission { whole: 1, partial: None });
+        assert_eq!(admit_chunked(&chunked(50), idle(50), &[fork], 50, true), Admission { whole: 1, partial: None });
         // Not after a chunk of someone else in the same step, nor beyond max_batch_prefill_tokens.
-        assert_eq!(admit_chunked(&chunked(50), idle(50), &[fork], 20), Admission { whole: 0, partial: None });
+        assert_eq!(admit_chunked(&chunked(50), idle(50), &[fork], 20, false), Admission { whole: 0, partial: None });
         let huge = Candidate { prefill_tokens: 101, ..fork };
-        assert_eq!(admit_chunked(&chunked(50), idle(50), &[huge], 50), Admission { whole: 0, partial: None });
+        assert_eq!(admit_chunked(&chunked(50), idle(50), &[huge], 50, true), Admission { whole: 0, partial: None });
     }
 
     proptest! {
@@ -280,7 +285,7 @@ mod tests {
             let cands: Vec<_> = reqs.iter().map(|&(s, p, n)| Candidate {
                 sequences: s, prefill_tokens: p, tokens: (p * s) as u64, new_blocks: n, chunkable: s == 1 }).collect();
             let running = Running { sequences: seqs, tokens, available_blocks: avail };
-            let a = admit_chunked(&b, running, &cands, step);
+            let a = admit_chunked(&b, running, &cands, step, step == chunk);
             let taken = &cands[..a.whole + a.partial.is_some() as usize];
             let whole_prefill: u32 = cands[..a.whole].iter().map(|c| c.prefill_tokens).sum();
             let alone = a.whole == 1 && a.partial.is_none() && !cands[0].chunkable && step == chunk;

@@ -15,7 +15,7 @@ use crate::error::RouterError;
 use crate::http::tgi::json_event;
 use crate::http::types::Token;
 use crate::infer::StreamHandle;
-use crate::queue::{GeneratedText, InferStreamResponse};
+use crate::stream::{GeneratedText, InferStreamResponse};
 
 /// One step of one choice.
 pub enum ChoiceEvent {

@@ -1,0 +1,335 @@
+//! `schedule`: what the next step computes. Pure: it reads and changes the
+//! scheduler's `State` (admission, block allocation, preemption) and returns
+//! the `StepPlan`; the batching loop does the I/O.
+//!
+//! Mixed steps (`max_num_batched_tokens` set, vLLM v1 style): every running
+//! sequence's decode token first, then prompt chunks (prompts already under
+//! way, then new admissions) up to the step's token budget. Without it a step
+//! is either a prefill (whole prompts under `max_batch_prefill_tokens`, or
+//! chunks of `prefill_chunk_tokens`) or a decode, alternating.
+
+use std::collections::VecDeque;
+use std::time::Instant;
+
+use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
+use super::sequence::Sequence;
+use super::state::State;
+use super::AdmissionOrder;
+use crate::proto::pb;
+
+/// One scheduled range of one sequence, as the plan promised it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Planned {
+    pub id: u64,
+    pub num_computed: u32,
+    pub num_tokens: u32,
+    /// The range reaches the end of the known tokens: the shard samples.
+    pub samples: bool,
+    pub max_proposals: u32,
+    /// A prompt range (the first sample of a sequence comes from one).
+    pub prompt: bool,
+}
+
+#[derive(Debug, Default)]
+pub struct StepPlan {
+    pub planned: Vec<Planned>,
+    pub request: pb::StepRequest,
+    pub preempted: u32,
+    /// Prompt tokens computed by this step, and prompt tokens served from
+    /// the prefix cache at admission (metrics).
+    pub prompt_tokens: u64,
+    pub prefix_hit_tokens: u64,
+}
+
+impl StepPlan {
+    /// Nothing to compute (finished ids may still need telling).
+    pub fn is_empty(&self) -> bool {
+        self.planned.is_empty()
+    }
+
+    pub fn has_decode(&self) -> bool {
+        self.planned.iter().any(|p| !p.prompt)
+    }
+
+    fn push(&mut self, s: &mut Sequence, num_tokens: u32, max_proposals: u32, prompt: bool) {
+        let ids = s.blocks.as_ref().map_or(&[][..], |b| b.ids());
+        let from = if s.on_shard { s.sent_blocks.min(ids.len()) } else { 0 };
+        let new_request = (!s.on_shard).then(|| s.new_request());
+        self.request.requests.push(pb::ScheduledRequest {
+            id: s.id,
+            new_request,
+            num_computed: s.num_computed,
+            num_tokens,
+            new_block_ids: ids[from..].to_vec(),
+            max_proposals,
+        });
+        s.sent_blocks = ids.len();
+        s.on_shard = true;
+        if prompt {
+            self.prompt_tokens += num_tokens as u64;
+        }
+        self.planned.push(Planned {
+            id: s.id,
+            num_computed: s.num_computed,
+            num_tokens,
+            samples: s.num_computed + num_tokens == s.len(),
+            max_proposals,
+            prompt,
+        });
+    }
+}
+
+pub fn schedule(st: &mut State, now: Instant) -> StepPlan {
+    let mut plan = StepPlan::default();
+    match st.config.max_num_batched_tokens {
+        Some(budget) => {
+            let used = schedule_decodes(st, &mut plan);
+            schedule_prompts(st, &mut plan, Some(budget.saturating_sub(used)), now);
+        }
+        None => {
+            let chunk = st.config.budget.prefill_chunk_tokens;
+            let prefer_prefill = !st.last_was_prefill;
+            if prefer_prefill {
+                schedule_prompts(st, &mut plan, chunk, now);
+            }
+            if plan.is_empty() {
+                schedule_decodes(st, &mut plan);
+                if plan.is_empty() && !prefer_prefill {
+                    schedule_prompts(st, &mut plan, chunk, now);
+                }
+            }
+            st.last_was_prefill = plan.planned.iter().any(|p| p.prompt);
+        }
+    }
+    plan.request.finished_ids = std::mem::take(&mut st.finished);
+    plan
+}
+
+/// Every decoding sequence gets its next token (plus room for speculative
+/// proposals), oldest first; when the pool runs out the newest sequence is
+/// preempted. Returns the step tokens used.
+fn schedule_decodes(st: &mut State, plan: &mut StepPlan) -> u32 {
+    let spec = st.config.speculate;
+    let mut preempted = Vec::new();
+    let mut used = 0;
+    let mut i = 0;
+    while i < st.running.len() {
+        if !st.running[i].prefilled {
+            i += 1;
+            continue;
+        }
+        let end = st.running[i].len() + spec;
+        let mut kept = true;
+        loop {
+            let s = &mut st.running[i];
+            if s.blocks.as_mut().is_some_and(|b| b.ensure_capacity(end)) {
+                break;
+            }
+            let victim = st.running.pop().expect("the sequence being grown is running");
+            preempted.push(preempt(st, victim));
+            if st.running.len() == i {
+                kept = false;
+                break;
+            }
+        }
+        if !kept {
+            break;
+        }
+        let s = &mut st.running[i];
+        let n = s.pending();
+        plan.push(s, n, spec, false);
+        used += n + spec;
+        i += 1;
+    }
+    plan.preempted += preempted.len() as u32;
+    // Oldest first at the head of the queue: they resume before new work.
+    preempted.sort_by_key(|s| s.admitted_at);
+    for s in preempted.into_iter().rev() {
+        st.queue.push_front(s);
+    }
+    used
+}
+
+/// Preemption by recompute: computed blocks go to the prefix cache, so on
+/// resume only what others have taken meanwhile is recomputed.
+fn preempt(st: &mut State, s: Sequence) -> Sequence {
+    let mut s = st.release(s, true);
+    tracing::debug!("preempted request {} after {} tokens", s.id, s.generated);
+    s.preemptions += 1;
+    s.num_computed = 0;
+    s.sent_blocks = 0;
+    s.prefilled = false;
+    s
+}
+
+/// Prompt work: chunks of prompts under way, then admissions from the
+/// queue. `step_tokens`: prompt tokens this step may compute (None: whole
+/// prompts under `max_batch_prefill_tokens`).
+fn schedule_prompts(st: &mut State, plan: &mut StepPlan, step_tokens: Option<u32>, now: Instant) {
+    let mut left = step_tokens;
+    let mut any_prompt = false;
+    for s in st.running.iter_mut().filter(|s| !s.prefilled) {
+        let pending = s.pending();
+        let n = left.map_or(pending, |l| l.min(pending));
+        if n == 0 {
+            return;
+        }
+        plan.push(s, n, 0, true);
+        any_prompt = true;
+        if let Some(l) = left.as_mut() {
+            *l -= n;
+        }
+    }
+    if left == Some(0) || st.queue.is_empty() {
+        return;
+    }
+    admit_from_queue(st, plan, left, !any_prompt, now);
+}
+
+fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alone_ok: bool, now: Instant) {
+    if st.config.order == AdmissionOrder::LongestPrefix {
+        sort_queue_by_cached_prefix(st);
+    }
+    let units = units(&st.queue);
+    let candidates: Vec<Candidate> = units.iter().map(|u| candidate(st, u)).collect();
+    let running = Running {
+        sequences: st.running.len() as u32,
+        tokens: st.running.iter().map(|s| s.len() as u64).sum(),
+        available_blocks: st.kv.available(),
+    };
+    let budget = growth_budget(st);
+    let Admission { whole, partial } = match left {
+        Some(l) => admit_chunked(&budget, running, &candidates, l, alone_ok),
+        None => Admission { whole: admit(&budget, running, &candidates), partial: None },
+    };
+    let take = if whole == 0 { 0 } else { units[whole - 1].end } + partial.is_some() as usize;
+    let bs = st.kv.block_size();
+    let first_new = st.running.len();
+    let mut taken: VecDeque<Sequence> = st.queue.drain(..take).collect();
+    while let Some(mut s) = taken.pop_front() {
+        let len = s.len();
+        let mut blocks = st.kv.acquire_prefix(&s.tokens);
+        // Prompts admitted in this same step that share a longer prefix
+        // (forks of `n`/`best_of`, a common system prompt arriving at once)
+        // share the earlier one's blocks, as far as that one computes them
+        // in this step: the shard writes them before anyone reads.
+        let limit = fork_shared_blocks(len, bs);
+        let caching = st.kv.prefix_caching();
+        let planned_end = |id: u64| plan.planned.iter().find(|p| p.id == id).map_or(0, |p| p.num_computed + p.num_tokens);
+        let best = st.running[first_new..]
+            .iter()
+            // Without prefix caching only forks of one request share.
+            .filter(|a| caching || (s.group.is_some() && a.group == s.group))
+            .map(|a| {
+                let m = common_blocks(&a.tokens, &s.tokens, bs).min(limit).min(planned_end(a.id) / bs);
+                (m, a)
+            })
+            .max_by_key(|(m, _)| *m);
+        if let Some((m, a)) = best {
+            if m > blocks.len() {
+                if let Some(b) = a.blocks.as_ref() {
+                    blocks = b.share_prefix(m);
+                }
+            }
+        }
+        let cache_len = blocks.len() * bs;
+        if !blocks.ensure_capacity(len) {
+            // Admission estimates are conservative; should one still fall
+            // short, the rest waits for the next step rather than failing.
+            drop(blocks);
+            taken.push_front(s);
+            while let Some(s) = taken.pop_back() {
+                st.queue.push_front(s);
+            }
+            break;
+        }
+        s.blocks = Some(blocks);
+        s.num_computed = cache_len;
+        st.admissions += 1;
+        s.admitted_at = st.admissions;
+        s.started_at = now;
+        // The chunked candidate is the last one taken; it starts with what
+        // is left of this step's budget.
+        let n = match partial {
+            Some(tokens) if taken.is_empty() => tokens.min(len - cache_len),
+            _ => len - cache_len,
+        };
+        plan.prefix_hit_tokens += cache_len as u64;
+        plan.push(&mut s, n, 0, true);
+        st.running.push(s);
+    }
+}
+
+/// The budget with room for the running batch to grow: on top of the
+/// watermark, one block per running sequence, which is what the batch
+/// takes over the next `block_size` decode steps. Without it admission
+/// packs the pool to the brim and a newcomer is preempted (and its prompt
+/// recomputed) within a few steps, over and over.
+fn growth_budget(st: &State) -> Budget {
+    let per_step = 1 + st.config.speculate;
+    let growth = st.running.len() as u32 * per_step;
+    let mut budget = st.config.budget;
+    budget.watermark_blocks = budget.watermark_blocks.saturating_add(growth);
+    budget
+}
+
+/// Groups the queue into admission units: a request, or all forks of one
+/// `n`/`best_of` request (they arrive together and go together).
+fn units(queue: &VecDeque<Sequence>) -> Vec<std::ops::Range<usize>> {
+    let mut units = Vec::new();
+    let mut start = 0;
+    while start < queue.len() {
+        let group = queue[start].group;
+        let mut end = start + 1;
+        while group.is_some() && end < queue.len() && queue[end].group == group {
+            end += 1;
+        }
+        units.push(start..end);
+        start = end;
+    }
+    units
+}
+
+fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate {
+    let bs = st.kv.block_size();
+    let leader = &st.queue[unit.start];
+    let len = leader.len();
+    let blocks = st.kv.blocks_for(len);
+    let cached = st.kv.peek_prefix(&leader.tokens).min(blocks);
+    let forks = unit.len() as u32 - 1;
+    let shared = fork_shared_blocks(len, bs);
+    Candidate {
+        chunkable: forks == 0 && leader.chunkable(),
+        sequences: unit.len() as u32,
+        prefill_tokens: (len - cached * bs) + forks * (len - shared * bs),
+        tokens: len as u64 * unit.len() as u64,
+        // Taking a cached prefix can use up reclaimable blocks too, so the
+        // cached part counts against availability as well.
+        new_blocks: blocks + forks * (blocks - shared),
+    }
+}
+
+fn sort_queue_by_cached_prefix(st: &mut State) {
+    let units = units(&st.queue);
+    let hits: Vec<u32> = units.iter().map(|u| st.kv.peek_prefix(&st.queue[u.start].tokens)).collect();
+    let mut drained: VecDeque<Sequence> = st.queue.drain(..).collect();
+    let mut keyed: Vec<(u32, Vec<Sequence>)> = Vec::with_capacity(units.len());
+    for (u, hit) in units.iter().zip(hits) {
+        keyed.push((hit, drained.drain(..u.len()).collect()));
+    }
+    // Stable: equal hits keep arrival order.
+    keyed.sort_by_key(|(hit, _)| std::cmp::Reverse(*hit));
+    st.queue = keyed.into_iter().flat_map(|(_, seqs)| seqs).collect();
+}
+
+/// Full prompt blocks a fork shares with its leader: at least one token is
+/// left for the fork to compute, since its first token is sampled from it.
+fn fork_shared_blocks(len: u32, block_size: u32) -> u32 {
+    len.saturating_sub(1) / block_size
+}
+
+/// Number of leading full blocks two token sequences have in common.
+fn common_blocks(a: &[u32], b: &[u32], block_size: u32) -> u32 {
+    let same = a.iter().zip(b).take_while(|(x, y)| x == y).count() as u32;
+    same / block_size
+}

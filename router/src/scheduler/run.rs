@@ -1,0 +1,250 @@
+//! The batching loop: the only place the scheduler awaits. Each iteration
+//! takes new requests, drops those whose stream went away, plans a step,
+//! sends it to the shards, applies the reply and delivers the events.
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokio::sync::mpsc;
+
+use super::plan::schedule;
+use super::state::State;
+use super::update::{is_terminal, update, Event};
+use super::SchedulerConfig;
+use crate::client::ShardedClient;
+use crate::error::RouterError;
+use crate::kv::KvManager;
+use crate::queue::{Entry, ResponseTx};
+use crate::state::RouterState;
+
+const IDLE_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
+
+pub struct Scheduler {
+    client: ShardedClient,
+    state: State,
+    rx: mpsc::UnboundedReceiver<Entry>,
+    /// The stream of every queued or running request.
+    streams: HashMap<u64, ResponseTx>,
+    router: Arc<RouterState>,
+}
+
+/// Marks the loop dead when it ends, returns or panics (Drop runs while
+/// unwinding), so `/health` can tell.
+struct AliveGuard(Arc<RouterState>);
+
+impl Drop for AliveGuard {
+    fn drop(&mut self) {
+        self.0.scheduler_alive.store(false, Ordering::SeqCst);
+        if std::thread::panicking() {
+            tracing::error!("the scheduler loop panicked");
+        }
+    }
+}
+
+impl Scheduler {
+    pub fn new(
+        client: ShardedClient,
+        kv: KvManager,
+        config: SchedulerConfig,
+        rx: mpsc::UnboundedReceiver<Entry>,
+        router: Arc<RouterState>,
+    ) -> Self {
+        Self { client, state: State::new(config, kv), rx, streams: HashMap::new(), router }
+    }
+
+    pub async fn run(mut self) {
+        self.router.scheduler_alive.store(true, Ordering::SeqCst);
+        let _alive = AliveGuard(self.router.clone());
+        loop {
+            if self.state.is_idle() && self.state.finished.is_empty() {
+                match self.rx.recv().await {
+                    Some(e) => self.enqueue(e),
+                    None => break,
+                }
+            }
+            while let Ok(e) = self.rx.try_recv() {
+                self.enqueue(e);
+            }
+            self.drop_leaving();
+            let plan = schedule(&mut self.state, Instant::now());
+            if plan.is_empty() {
+                if !plan.request.finished_ids.is_empty() && !self.step_finished_only(plan).await {
+                    continue;
+                }
+                self.publish();
+                if !self.state.is_idle() {
+                    // Nothing fits right now: wait a moment for news (a new
+                    // request, a client leaving, a deadline) rather than spin.
+                    if let Ok(Some(e)) = tokio::time::timeout(IDLE_WAIT, self.rx.recv()).await {
+                        self.enqueue(e);
+                    }
+                }
+                continue;
+            }
+            RouterState::add(&self.router.preemptions_total, plan.preempted as u64);
+            RouterState::add(&self.router.prefill_tokens_total, plan.prompt_tokens);
+            RouterState::add(&self.router.prefix_hit_tokens_total, plan.prefix_hit_tokens);
+            let started = Instant::now();
+            match self.client.step(plan.request.clone()).await {
+                Ok(resp) => {
+                    let (events, stats) = update(&mut self.state, &plan, &resp);
+                    if stats.unknown_ids > 0 {
+                        tracing::warn!("the shard answered {} request id(s) it was not asked for", stats.unknown_ids);
+                    }
+                    RouterState::add(&self.router.generated_tokens_total, stats.generated_tokens);
+                    if plan.has_decode() {
+                        RouterState::add(&self.router.decode_steps_total, 1);
+                        RouterState::add(&self.router.decode_forward_ns_total, resp.forward_ns);
+                        RouterState::add(&self.router.decode_step_ns_total, started.elapsed().as_nanos() as u64);
+                    }
+                    self.deliver(events);
+                }
+                Err(status) => self.fail_all(RouterError::from(status)),
+            }
+            self.publish();
+        }
+    }
+
+    fn enqueue(&mut self, entry: Entry) {
+        self.streams.insert(entry.id, entry.response_tx.clone());
+        self.state.enqueue(entry);
+    }
+
+    /// Only finished ids to tell: a step without work. False on failure.
+    async fn step_finished_only(&mut self, plan: super::StepPlan) -> bool {
+        match self.client.step(plan.request).await {
+            Ok(_) => true,
+            Err(status) => {
+                self.fail_all(RouterError::from(status));
+                false
+            }
+        }
+    }
+
+    /// Streams whose client went away (or whose stop sequence matched) end
+    /// before the next step; queued requests past their deadline are told so.
+    fn drop_leaving(&mut self) {
+        let gone: Vec<u64> = self.streams.iter().filter(|(_, tx)| tx.is_closed()).map(|(id, _)| *id).collect();
+        for id in gone {
+            self.streams.remove(&id);
+            self.state.abort(id);
+        }
+        let now = Instant::now();
+        let late = self.state.take_overdue(now);
+        if !late.is_empty() {
+            self.publish();
+        }
+        for s in late {
+            if let Some(tx) = self.streams.remove(&s.id) {
+                let waited = now.saturating_duration_since(s.queued_at).as_millis();
+                let _ = tx.send(Err(RouterError::QueueTimeout(format!(
+                    "waited {waited} ms in the queue without being scheduled"
+                ))));
+            }
+        }
+    }
+
+    fn deliver(&mut self, events: Vec<Event>) {
+        let mut failed = 0;
+        for (id, event) in events {
+            let terminal = is_terminal(&event);
+            failed += matches!(event, Err(_)) as u64;
+            let sent = self.streams.get(&id).is_some_and(|tx| tx.send(event).is_ok());
+            if terminal {
+                self.streams.remove(&id);
+            } else if !sent {
+                // The client is gone: the sequence ends before the next step.
+                self.streams.remove(&id);
+                self.state.abort(id);
+            }
+        }
+        RouterState::add(&self.router.requests_failed, failed);
+    }
+
+    /// A shard call failed: every running request gets the error; queued
+    /// ones wait for the next step.
+    fn fail_all(&mut self, err: RouterError) {
+        tracing::error!("shard step failed: {err}");
+        self.router.healthy.store(false, Ordering::Relaxed);
+        let ids = self.state.fail_running();
+        RouterState::add(&self.router.requests_failed, ids.len() as u64);
+        for id in ids {
+            if let Some(tx) = self.streams.remove(&id) {
+                let _ = tx.send(Err(err.clone()));
+            }
+        }
+    }
+
+    fn publish(&self) {
+        let st = &self.router;
+        let kv = self.state.kv.stats();
+        RouterState::set(&st.queue_size, self.state.queue.len() as u64);
+        RouterState::set(&st.batch_size, self.state.running.len() as u64);
+        RouterState::set(&st.kv_blocks_free, (kv.free + kv.cached_unused) as u64);
+        RouterState::set(&st.kv_blocks_cached, kv.cached as u64);
+        RouterState::set(&st.kv_utilization_ppm, self.state.kv_utilization_ppm());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::scheduler::admission::Budget;
+    use crate::scheduler::AdmissionOrder;
+
+    fn config() -> SchedulerConfig {
+        SchedulerConfig {
+            budget: Budget {
+                max_batch_prefill_tokens: 8,
+                max_batch_total_tokens: 64,
+                max_batch_size: 2,
+                watermark_blocks: 0,
+                prefill_chunk_tokens: None,
+            },
+            speculate: 0,
+            order: AdmissionOrder::Fifo,
+            max_num_batched_tokens: None,
+        }
+    }
+
+    /// What `/health` reads: false within a moment of the loop ending.
+    async fn alive_turns_false(router: &RouterState) -> bool {
+        for _ in 0..100 {
+            if !router.scheduler_alive.load(Ordering::SeqCst) {
+                return true;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        false
+    }
+
+    #[tokio::test]
+    async fn a_loop_that_ends_is_seen_dead() {
+        let router = Arc::new(RouterState::default());
+        let (tx, rx) = mpsc::unbounded_channel();
+        let kv = KvManager::new(8, 4, true);
+        let task = tokio::spawn(Scheduler::new(ShardedClient::disconnected(), kv, config(), rx, router.clone()).run());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(router.scheduler_alive.load(Ordering::SeqCst));
+        drop(tx);
+        task.await.unwrap();
+        assert!(alive_turns_false(&router).await);
+    }
+
+    #[tokio::test]
+    async fn a_loop_that_panics_is_seen_dead_within_a_second() {
+        let router = Arc::new(RouterState::default());
+        router.scheduler_alive.store(true, Ordering::SeqCst);
+        let guard_state = router.clone();
+        let task = tokio::spawn(async move {
+            let _alive = AliveGuard(guard_state);
+            panic!("test-only: the loop dies");
+        });
+        assert!(task.await.is_err());
+        assert!(alive_turns_false(&router).await);
+    }
+}

@@ -1,0 +1,462 @@
+//! The scheduler against a fake shard: schedule -> FakeShard::step -> update,
+//! with no I/O. Outputs are checked against `fake_shard::next_token`, the
+//! fake model, so recompute after preemption, chunking, speculation and
+//! block sharing must all leave every sequence's tokens unchanged.
+
+use std::collections::HashMap;
+use std::time::Instant;
+
+use proptest::prelude::*;
+use tokio::sync::mpsc;
+
+use super::admission::Budget;
+use super::fake_shard::{next_token, FakeShard, EOS};
+use super::plan::schedule;
+use super::state::State;
+use super::update::{is_terminal, update};
+use super::{AdmissionOrder, SchedulerConfig};
+use crate::error::RouterError;
+use crate::kv::KvManager;
+use crate::proto::pb;
+use crate::queue::{Entry, Finish, SeqEvent};
+use crate::validation::ValidRequest;
+
+const BS: u32 = 4;
+
+fn config(mixed: Option<u32>, chunk: Option<u32>, speculate: u32) -> SchedulerConfig {
+    SchedulerConfig {
+        budget: Budget {
+            max_batch_prefill_tokens: 256,
+            max_batch_total_tokens: 100_000,
+            max_batch_size: 64,
+            watermark_blocks: 1,
+            prefill_chunk_tokens: chunk,
+        },
+        speculate,
+        order: AdmissionOrder::Fifo,
+        max_num_batched_tokens: mixed,
+    }
+}
+
+fn request(prompt: Vec<u32>, max_new: u32) -> ValidRequest {
+    ValidRequest {
+        inputs: String::new(),
+        input_ids: prompt,
+        parameters: pb::NextTokenChooserParameters::default(),
+        max_new_tokens: max_new,
+        ignore_eos: true,
+        min_new_tokens: 0,
+        stop_token_ids: vec![],
+        stop_sequences: vec![],
+        top_n_tokens: 0,
+        decoder_input_details: false,
+        seed: None,
+        grammar: None,
+    }
+}
+
+fn entry(id: u64, request: ValidRequest, group: Option<u64>) -> Entry {
+    let (tx, _rx) = mpsc::unbounded_channel();
+    Entry { id, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: None, group }
+}
+
+/// What the fake model generates after `prompt`, `n` tokens (ignoring EOS).
+fn expected(prompt: &[u32], n: u32) -> Vec<u32> {
+    let mut ctx = prompt.to_vec();
+    for _ in 0..n {
+        ctx.push(next_token(&ctx));
+    }
+    ctx[prompt.len()..].to_vec()
+}
+
+fn prompt(id: u64, len: u32) -> Vec<u32> {
+    (0..len).map(|i| 3 + ((id as u32 * 7 + i * 13) % 90)).collect()
+}
+
+#[derive(Default, Debug)]
+struct Outcome {
+    tokens: HashMap<u64, Vec<u32>>,
+    finish: HashMap<u64, Option<Finish>>,
+    errors: HashMap<u64, RouterError>,
+    steps: usize,
+    /// Per step: prompt tokens, and decode tokens with their proposal room.
+    step_tokens: Vec<(u32, u32)>,
+}
+
+/// Runs schedule/step/update until nothing is left (or a step limit is hit,
+/// which fails the test: the scheduler must never hang).
+fn drive(st: &mut State, shard: &mut FakeShard) -> Outcome {
+    let mut out = Outcome::default();
+    while !st.is_idle() {
+        out.steps += 1;
+        assert!(out.steps < 10_000, "the scheduler made no progress");
+        let plan = schedule(st, Instant::now());
+        assert!(!plan.is_empty(), "work is left but nothing was scheduled");
+        let prompt_tokens = plan.planned.iter().filter(|p| p.prompt).map(|p| p.num_tokens).sum();
+        let decode_cost = plan.planned.iter().filter(|p| !p.prompt).map(|p| p.num_tokens + p.max_proposals).sum();
+        out.step_tokens.push((prompt_tokens, decode_cost));
+        let resp = shard.step(&plan.request);
+        let (events, _) = update(st, &plan, &resp);
+        collect(&mut out, events);
+    }
+    out
+}
+
+fn collect(out: &mut Outcome, events: Vec<super::update::Event>) {
+    for (id, ev) in events {
+        let terminal = is_terminal(&ev);
+        match ev {
+            Ok(SeqEvent::Tokens { ids, finish, .. }) => {
+                out.tokens.entry(id).or_default().extend(ids);
+                if terminal {
+                    out.finish.insert(id, finish);
+                }
+            }
+            Ok(SeqEvent::Prefill { .. }) => {}
+            Err(e) => {
+                out.errors.insert(id, e);
+            }
+        }
+    }
+}
+
+fn setup(cfg: SchedulerConfig, num_blocks: u32) -> (State, FakeShard) {
+    (State::new(cfg, KvManager::new(num_blocks, BS, true)), FakeShard::new(BS, num_blocks))
+}
+
+fn assert_no_leak(st: &State) {
+    let kv = st.kv.stats();
+    assert_eq!(kv.used(), 0, "blocks still held after every sequence ended: {kv:?}");
+}
+
+#[test]
+fn every_request_completes_with_the_models_tokens() {
+    for cfg in [config(None, None, 0), config(Some(16), None, 0), config(None, Some(5), 0)] {
+        let (mut st, mut shard) = setup(cfg, 200);
+        for id in 0..6 {
+            st.enqueue(entry(id, request(prompt(id, 3 + id as u32 * 5), 7), None));
+        }
+        let out = drive(&mut st, &mut shard);
+        for id in 0..6 {
+            assert_eq!(out.tokens[&id], expected(&prompt(id, 3 + id as u32 * 5), 7), "request {id}");
+            assert_eq!(out.finish[&id], Some(Finish::Length));
+        }
+        assert!(out.errors.is_empty());
+        assert_no_leak(&st);
+        assert_eq!(shard.held(), 0, "the shard still holds requests");
+    }
+}
+
+#[test]
+fn mixed_steps_respect_the_token_budget_and_carry_decodes_with_chunks() {
+    let (mut st, mut shard) = setup(config(Some(10), None, 0), 200);
+    st.enqueue(entry(0, request(prompt(0, 3), 30), None));
+    // Admitted while 0 decodes: a long prompt that must be chunked around it.
+    let plan = schedule(&mut st, Instant::now());
+    let resp = shard.step(&plan.request);
+    update(&mut st, &plan, &resp);
+    st.enqueue(entry(1, request(prompt(1, 37), 4), None));
+    let mut mixed = 0;
+    while !st.is_idle() {
+        let plan = schedule(&mut st, Instant::now());
+        let total: u32 = plan.planned.iter().map(|p| p.num_tokens).sum();
+        assert!(total <= 10, "step of {total} tokens over a budget of 10");
+        if plan.planned.iter().any(|p| p.prompt) && plan.planned.iter().any(|p| !p.prompt) {
+            mixed += 1;
+        }
+        let resp = shard.step(&plan.request);
+        update(&mut st, &plan, &resp);
+    }
+    // 37 tokens in 9-token chunks next to one decode: 5 steps carry both.
+    assert!(mixed >= 4, "only {mixed} mixed steps");
+    assert_no_leak(&st);
+}
+
+#[test]
+fn without_mixed_steps_prefill_and_decode_steps_never_mix() {
+    let (mut st, mut shard) = setup(config(None, Some(6), 0), 200);
+    for id in 0..4 {
+        st.enqueue(entry(id, request(prompt(id, 11), 5), None));
+    }
+    let out = drive(&mut st, &mut shard);
+    for step in &shard.steps {
+        let prompts = step.requests.iter().filter(|r| r.new_request.is_some() || r.num_tokens > 1).count();
+        let prompt_tokens: u32 = step.requests.iter().filter(|r| r.num_tokens > 1).map(|r| r.num_tokens).sum();
+        assert!(prompts == 0 || prompts == step.requests.len() || prompt_tokens <= 6);
+    }
+    assert_eq!(out.tokens.len(), 4);
+}
+
+#[test]
+fn a_chunked_prompt_gives_the_same_tokens_and_sends_no_sampling_for_chunks() {
+    let p = prompt(9, 50);
+    let (mut st, mut shard) = setup(config(None, Some(8), 0), 200);
+    st.enqueue(entry(9, request(p.clone(), 6), None));
+    let out = drive(&mut st, &mut shard);
+    assert_eq!(out.tokens[&9], expected(&p, 6));
+    let chunks: Vec<u32> = shard.steps.iter().flat_map(|s| s.requests.iter()).map(|r| r.num_tokens).collect();
+    assert_eq!(&chunks[..7], &[8, 8, 8, 8, 8, 8, 2]);
+    // Only the first step carries the request; later chunks append blocks only.
+    assert!(shard.steps[0].requests[0].new_request.is_some());
+    assert!(shard.steps[1..].iter().all(|s| s.requests.iter().all(|r| r.new_request.is_none())));
+}
+
+#[test]
+fn preemption_recomputes_and_loses_nothing() {
+    // 14 usable blocks of 4 tokens: four sequences growing to 30 tokens cannot all fit.
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 15);
+    for id in 0..4 {
+        st.enqueue(entry(id, request(prompt(id, 6), 24), None));
+    }
+    let mut out = Outcome::default();
+    let mut preempted = 0;
+    while !st.is_idle() {
+        let plan = schedule(&mut st, Instant::now());
+        preempted += plan.preempted;
+        let resp = shard.step(&plan.request);
+        let (events, _) = update(&mut st, &plan, &resp);
+        collect(&mut out, events);
+        out.steps += 1;
+        assert!(out.steps < 2000);
+    }
+    assert!(preempted > 0, "the pool was large enough: the test does not preempt");
+    for id in 0..4 {
+        assert_eq!(out.tokens[&id], expected(&prompt(id, 6), 24), "request {id}");
+    }
+    assert_no_leak(&st);
+    assert_eq!(shard.held(), 0);
+}
+
+#[test]
+fn speculative_rollback_keeps_the_tokens_exact() {
+    for accept in [0, 1, 3] {
+        let (mut st, mut shard) = setup(config(Some(64), None, 3), 100);
+        shard.accept = accept;
+        for id in 0..3 {
+            st.enqueue(entry(id, request(prompt(id, 5), 13), None));
+        }
+        let out = drive(&mut st, &mut shard);
+        for id in 0..3 {
+            assert_eq!(out.tokens[&id], expected(&prompt(id, 5), 13), "accept {accept}, request {id}");
+        }
+        assert!(shard.steps.iter().any(|s| s.requests.iter().any(|r| r.max_proposals == 3)));
+        assert_no_leak(&st);
+    }
+}
+
+#[test]
+fn forks_share_the_prompt_blocks_their_leader_writes_in_the_same_step() {
+    let (mut st, mut shard) = setup(config(None, None, 0), 100);
+    let p = prompt(4, 13);
+    for id in 10..13 {
+        st.enqueue(entry(id, request(p.clone(), 3), Some(10)));
+    }
+    let plan = schedule(&mut st, Instant::now());
+    assert_eq!(plan.planned.len(), 3, "forks are admitted together");
+    // 13 tokens: 3 full blocks are shared, the forks compute the last token.
+    assert_eq!(plan.planned[1].num_computed, 12);
+    assert_eq!(plan.request.requests[1].new_block_ids[..3], plan.request.requests[0].new_block_ids[..3]);
+    let resp = shard.step(&plan.request);
+    let (events, _) = update(&mut st, &plan, &resp);
+    let mut out = Outcome::default();
+    collect(&mut out, events);
+    let rest = drive(&mut st, &mut shard);
+    for id in 10..13 {
+        let mut all = out.tokens.get(&id).cloned().unwrap_or_default();
+        all.extend(rest.tokens.get(&id).cloned().unwrap_or_default());
+        assert_eq!(all, expected(&p, 3));
+    }
+}
+
+#[test]
+fn a_cached_prefix_starts_the_next_request_past_it() {
+    let (mut st, mut shard) = setup(config(None, None, 0), 100);
+    let p = prompt(1, 10);
+    st.enqueue(entry(0, request(p.clone(), 2), None));
+    drive(&mut st, &mut shard);
+    st.enqueue(entry(1, request(p.clone(), 2), None));
+    let plan = schedule(&mut st, Instant::now());
+    assert_eq!(plan.planned[0].num_computed, 8);
+    assert_eq!(plan.prefix_hit_tokens, 8);
+    let resp = shard.step(&plan.request);
+    update(&mut st, &plan, &resp);
+    let out = drive(&mut st, &mut shard);
+    assert_eq!(out.tokens[&1], expected(&p, 2)[1..].to_vec());
+}
+
+#[test]
+fn eos_finishes_unless_ignored() {
+    // Find a prompt whose first generated token is EOS.
+    let p = (0..500u32).map(|x| vec![5, x]).find(|p| next_token(p) == EOS).expect("some prompt samples EOS");
+    let (mut st, mut shard) = setup(config(None, None, 0), 50);
+    let mut r = request(p.clone(), 5);
+    r.ignore_eos = false;
+    st.enqueue(entry(0, r, None));
+    st.enqueue(entry(1, request(p.clone(), 5), None));
+    let out = drive(&mut st, &mut shard);
+    assert_eq!(out.tokens[&0], vec![EOS]);
+    assert_eq!(out.finish[&0], Some(Finish::EosToken));
+    assert_eq!(out.tokens[&1].len(), 5);
+}
+
+#[test]
+fn abort_tells_the_shard_and_frees_the_blocks() {
+    let (mut st, mut shard) = setup(config(Some(32), None, 0), 50);
+    st.enqueue(entry(0, request(prompt(0, 9), 50), None));
+    st.enqueue(entry(1, request(prompt(1, 9), 5), None));
+    for _ in 0..3 {
+        let plan = schedule(&mut st, Instant::now());
+        let resp = shard.step(&plan.request);
+        update(&mut st, &plan, &resp);
+    }
+    assert!(shard.holds(0));
+    assert!(st.abort(0));
+    assert!(!st.abort(0), "a second abort finds nothing");
+    let plan = schedule(&mut st, Instant::now());
+    assert_eq!(plan.request.finished_ids, vec![0]);
+    let resp = shard.step(&plan.request);
+    update(&mut st, &plan, &resp);
+    assert!(!shard.holds(0));
+    drive(&mut st, &mut shard);
+    assert_no_leak(&st);
+    // A queued request aborts without the shard hearing of it.
+    st.enqueue(entry(7, request(prompt(7, 4), 3), None));
+    assert!(st.abort(7));
+    assert!(st.is_idle() && st.finished.is_empty());
+}
+
+/// Runs one step with the shard's reply altered by `corrupt`; returns the events.
+fn corrupted_step(corrupt: impl Fn(&mut pb::StepResponse)) -> (State, FakeShard, Outcome) {
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 50);
+    for id in 0..3 {
+        st.enqueue(entry(id, request(prompt(id, 5), 4), None));
+    }
+    let plan = schedule(&mut st, Instant::now());
+    let mut resp = shard.step(&plan.request);
+    corrupt(&mut resp);
+    let (events, _) = update(&mut st, &plan, &resp);
+    let mut out = Outcome::default();
+    collect(&mut out, events);
+    (st, shard, out)
+}
+
+#[test]
+fn a_missing_generation_fails_that_request_only() {
+    let (mut st, mut shard, out) = corrupted_step(|r| r.generations.retain(|g| g.request_id != 1));
+    assert_eq!(out.errors[&1].error_type(), "generation");
+    assert_eq!(out.errors.len(), 1);
+    assert_eq!(st.finished, vec![1], "the shard is told to forget it");
+    let rest = drive(&mut st, &mut shard);
+    assert_eq!(rest.tokens[&0].len() + out.tokens[&0].len(), 4);
+    assert_no_leak(&st);
+}
+
+#[test]
+fn wrong_token_counts_and_duplicates_fail_the_requests_they_touch() {
+    let (_, _, out) = corrupted_step(|r| {
+        r.generations[0].tokens.as_mut().unwrap().ids.push(5);
+        r.generations[1].tokens = None;
+        let dup = r.generations[2].clone();
+        r.generations.push(dup);
+    });
+    for id in 0..3 {
+        assert_eq!(out.errors[&id].error_type(), "generation", "request {id}");
+    }
+}
+
+#[test]
+fn unknown_ids_in_a_reply_are_ignored() {
+    let (mut st, mut shard, out) = corrupted_step(|r| {
+        r.generations.push(pb::Generation { request_id: 999, ..Default::default() });
+    });
+    assert!(out.errors.is_empty());
+    let plan = schedule(&mut st, Instant::now());
+    let resp = shard.step(&plan.request);
+    let (_, stats) = update(&mut st, &plan, &resp);
+    assert_eq!(stats.unknown_ids, 0);
+}
+
+#[test]
+fn a_sample_on_a_prompt_chunk_is_malformed() {
+    let (mut st, mut shard) = setup(config(None, Some(4), 0), 50);
+    st.enqueue(entry(0, request(prompt(0, 10), 3), None));
+    let plan = schedule(&mut st, Instant::now());
+    assert!(!plan.planned[0].samples);
+    let mut resp = shard.step(&plan.request);
+    resp.generations[0].tokens = Some(pb::Tokens { ids: vec![4], logprobs: vec![0.0] });
+    let (events, _) = update(&mut st, &plan, &resp);
+    assert!(matches!(&events[0], (0, Err(RouterError::Generation(_)))));
+    assert!(st.is_idle());
+    assert_no_leak(&st);
+}
+
+#[test]
+fn a_shard_error_for_one_request_ends_it_as_a_validation_error() {
+    let (st, _, out) = corrupted_step(|r| {
+        r.generations[2] = pb::Generation { request_id: 2, error: "grammar does not compile".into(), ..Default::default() };
+    });
+    assert_eq!(out.errors[&2].error_type(), "validation");
+    assert!(!st.finished.contains(&2), "the shard dropped it itself");
+}
+
+#[test]
+fn a_failed_step_ends_every_running_request_and_frees_its_blocks() {
+    let (mut st, _shard) = setup(config(Some(64), None, 0), 50);
+    for id in 0..3 {
+        st.enqueue(entry(id, request(prompt(id, 5), 4), None));
+    }
+    let _plan = schedule(&mut st, Instant::now());
+    let mut ids = st.fail_running();
+    ids.sort();
+    assert_eq!(ids, vec![0, 1, 2]);
+    assert_no_leak(&st);
+}
+
+#[test]
+fn admission_waits_for_blocks_rather_than_overcommitting() {
+    // 9 usable blocks; each request needs 3 for its prompt, more to grow.
+    let (mut st, mut shard) = setup(config(None, None, 0), 10);
+    for id in 0..6 {
+        st.enqueue(entry(id, request(prompt(id, 12), 3), None));
+    }
+    let plan = schedule(&mut st, Instant::now());
+    assert!(plan.planned.len() < 6, "admitted {} prompts into 9 blocks", plan.planned.len());
+    let resp = shard.step(&plan.request);
+    update(&mut st, &plan, &resp);
+    let out = drive(&mut st, &mut shard);
+    assert_eq!(out.errors.len(), 0);
+    assert_no_leak(&st);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Any mix of prompts and budgets: everything completes with the model's
+    /// tokens, no step exceeds its budget (unless one unsplittable prompt
+    /// goes alone), and every block comes back.
+    #[test]
+    fn random_workloads_complete_exactly(
+        reqs in prop::collection::vec((1u32..40, 1u32..12), 1..12),
+        budget in prop::option::of(4u32..48),
+        chunk in prop::option::of(2u32..20),
+        speculate in 0u32..3,
+        accept in 0u32..3,
+        blocks in 16u32..80,
+    ) {
+        let (mut st, mut shard) = setup(config(budget, chunk, speculate), blocks);
+        shard.accept = accept;
+        for (i, &(len, n)) in reqs.iter().enumerate() {
+            st.enqueue(entry(i as u64, request(prompt(i as u64, len), n), None));
+        }
+        let out = drive(&mut st, &mut shard);
+        for (i, &(len, n)) in reqs.iter().enumerate() {
+            prop_assert_eq!(&out.tokens[&(i as u64)], &expected(&prompt(i as u64, len), n));
+        }
+        if let Some(b) = budget {
+            for (prompt_tokens, decode_cost) in &out.step_tokens {
+                prop_assert!(*prompt_tokens <= b.saturating_sub(*decode_cost), "{prompt_tokens} prompt tokens next to {decode_cost} decode tokens");
+            }
+        }
+        assert_no_leak(&st);
+        prop_assert_eq!(shard.held(), 0);
+    }
+}

@@ -1,0 +1,152 @@
+//! `update`: applies what the shard computed for a plan. Pure: it changes
+//! the `State` and returns one event per touched sequence for the loop to
+//! deliver. A reply that does not match the plan (a missing generation, a
+//! wrong token count, a finish on a prompt chunk) ends the sequences it
+//! touches with a `generation` error; it never panics the router.
+
+use std::collections::HashMap;
+
+use super::plan::{Planned, StepPlan};
+use super::state::State;
+use crate::error::RouterError;
+use crate::proto::pb;
+use crate::queue::{Finish, SeqEvent};
+
+/// An event for the stream of sequence `.0`.
+pub type Event = (u64, Result<SeqEvent, RouterError>);
+
+/// Whether an event ends its stream.
+pub fn is_terminal(event: &Result<SeqEvent, RouterError>) -> bool {
+    matches!(event, Err(_) | Ok(SeqEvent::Tokens { finish: Some(_), .. }))
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct StepStats {
+    pub generated_tokens: u64,
+    /// Generations whose id the plan did not schedule (ignored).
+    pub unknown_ids: u32,
+}
+
+pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<Event>, StepStats) {
+    let mut stats = StepStats::default();
+    let mut by_id: HashMap<u64, Option<&pb::Generation>> = HashMap::with_capacity(resp.generations.len());
+    for g in &resp.generations {
+        by_id
+            .entry(g.request_id)
+            // Two answers for one request: neither can be trusted.
+            .and_modify(|slot| *slot = None)
+            .or_insert(Some(g));
+    }
+    stats.unknown_ids = by_id.keys().filter(|id| !plan.planned.iter().any(|p| p.id == **id)).count() as u32;
+    let mut events = Vec::with_capacity(plan.planned.len());
+    for p in &plan.planned {
+        let Some(i) = st.running_index(p.id) else { continue };
+        let outcome = match by_id.get(&p.id) {
+            None => Err(format!("the shard returned no generation for request {}", p.id)),
+            Some(None) => Err(format!("the shard returned two generations for request {}", p.id)),
+            Some(Some(g)) => check(p, g),
+        };
+        let g = match outcome {
+            Ok(g) => g,
+            Err(msg) => {
+                let s = st.running.remove(i);
+                st.release(s, false);
+                tracing::error!("{msg}");
+                events.push((p.id, Err(RouterError::Generation(msg))));
+                continue;
+            }
+        };
+        if !g.error.is_empty() {
+            // The shard dropped it already.
+            let mut s = st.running.remove(i);
+            s.on_shard = false;
+            st.release(s, false);
+            events.push((p.id, Err(RouterError::Validation(g.error.clone()))));
+            continue;
+        }
+        let s = &mut st.running[i];
+        if !p.samples {
+            s.num_computed = p.num_computed + p.num_tokens;
+            // The shard confirmed this chunk's KV: its full blocks may be shared now.
+            if let Some(b) = s.blocks.as_ref() {
+                st.kv.commit(b, &s.tokens[..s.num_computed as usize]);
+            }
+            continue;
+        }
+        let tokens = g.tokens.as_ref().expect("checked");
+        let mut ids = tokens.ids.clone();
+        let mut finish = finish_of(g.finish_reason);
+        // The router's own length guard: a shard that overruns is cut short.
+        let left = s.remaining_new_tokens() as usize;
+        if ids.len() >= left && finish.is_none() || ids.len() > left {
+            ids.truncate(left);
+            finish = Some(Finish::Length);
+            if g.finish_reason == pb::FinishReason::Unspecified as i32 {
+                st.finished.push(s.id);
+            }
+        }
+        let n = ids.len() as u32;
+        s.num_computed = p.num_computed + p.num_tokens + n.saturating_sub(1);
+        s.tokens.extend_from_slice(&ids);
+        s.generated += n;
+        stats.generated_tokens += n as u64;
+        if !s.prefilled {
+            s.prefilled = true;
+            if let Some(b) = s.blocks.as_ref() {
+                st.kv.commit(b, &s.tokens[..(p.num_computed + p.num_tokens) as usize]);
+            }
+            if s.request.decoder_input_details && s.preemptions == 0 {
+                if let Some(t) = &g.prefill_tokens {
+                    events.push((p.id, Ok(SeqEvent::Prefill { ids: t.ids.clone(), logprobs: t.logprobs.clone() })));
+                }
+            }
+        }
+        let mut logprobs = tokens.logprobs.clone();
+        logprobs.truncate(ids.len());
+        let mut top = g.top_tokens.clone();
+        top.truncate(ids.len());
+        let started_at = s.started_at;
+        events.push((p.id, Ok(SeqEvent::Tokens { ids, logprobs, top, finish, started_at })));
+        if finish.is_some() {
+            let mut s = st.running.remove(i);
+            // A finish the shard reported: it dropped the request itself.
+            if g.finish_reason != pb::FinishReason::Unspecified as i32 {
+                s.on_shard = false;
+            }
+            st.release(s, true);
+        }
+    }
+    (events, stats)
+}
+
+/// The generation must answer the planned range: no tokens for a prompt
+/// chunk, 1..=1+max_proposals tokens where the shard samples.
+fn check<'a>(p: &Planned, g: &'a pb::Generation) -> Result<&'a pb::Generation, String> {
+    if !g.error.is_empty() {
+        return Ok(g);
+    }
+    let n = g.tokens.as_ref().map_or(0, |t| t.ids.len()) as u32;
+    if !p.samples {
+        if n > 0 || g.finish_reason != pb::FinishReason::Unspecified as i32 {
+            return Err(format!("the shard sampled for request {}, whose prompt is not complete", p.id));
+        }
+        return Ok(g);
+    }
+    if n == 0 || n > 1 + p.max_proposals {
+        return Err(format!(
+            "the shard returned {n} tokens for request {}, expected 1 to {}",
+            p.id,
+            1 + p.max_proposals
+        ));
+    }
+    Ok(g)
+}
+
+fn finish_of(code: i32) -> Option<Finish> {
+    match pb::FinishReason::try_from(code).unwrap_or(pb::FinishReason::Unspecified) {
+        pb::FinishReason::Unspecified => None,
+        pb::FinishReason::Length => Some(Finish::Length),
+        pb::FinishReason::EosToken => Some(Finish::EosToken),
+        pb::FinishReason::StopSequence => Some(Finish::StopToken),
+    }
+}

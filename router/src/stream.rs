@@ -1,0 +1,210 @@
+//! Text on the stream's side of the scheduler: each request's token-id
+//! events become tokens with text (incremental detokenization) and stop
+//! sequences are matched here, outside the batching loop. A matched stop
+//! ends the stream; the scheduler then sees the stream closed and aborts
+//! the sequence the way it does for a client that went away.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::Arc;
+use std::time::Instant;
+
+use tokenizers::Tokenizer;
+
+use crate::detokenize::IncrementalDecoder;
+use crate::http::types::{FinishReason, PrefillToken, Token};
+use crate::queue::{Finish, SeqEvent};
+use crate::stop::{StopMatcher, StopResult};
+use crate::validation::ValidRequest;
+
+#[derive(Debug, Clone)]
+pub struct GeneratedText {
+    pub text: String,
+    pub generated_tokens: u32,
+    pub finish_reason: FinishReason,
+    pub seed: Option<u64>,
+}
+
+#[derive(Debug, Clone)]
+pub enum InferStreamResponse {
+    /// Prompt tokens with logprobs, sent first when `decoder_input_details`.
+    Prefill(Vec<PrefillToken>),
+    Token {
+        token: Token,
+        top_tokens: Vec<Token>,
+    },
+    End {
+        token: Token,
+        top_tokens: Vec<Token>,
+        generated_text: GeneratedText,
+        queued_at: Instant,
+        started_at: Instant,
+    },
+}
+
+/// The tokenizer and which ids are special, shared by every stream.
+#[derive(Clone)]
+pub struct TextContext {
+    pub tokenizer: Arc<Tokenizer>,
+    pub special_ids: Arc<HashSet<u32>>,
+}
+
+impl TextContext {
+    pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
+        let special_ids = tokenizer
+            .get_added_tokens_decoder()
+            .iter()
+            .filter(|(_, t)| t.special)
+            .map(|(&id, _)| id)
+            .collect();
+        Self { tokenizer, special_ids: Arc::new(special_ids) }
+    }
+
+    fn token_text(&self, id: u32) -> String {
+        self.tokenizer.decode(&[id], false).unwrap_or_default()
+    }
+
+    fn token(&self, id: u32, logprob: f32, text: String) -> Token {
+        Token { id, text, logprob, special: self.special_ids.contains(&id) }
+    }
+}
+
+/// One sequence's text state: what it has said, and the stop matcher.
+pub struct TextStream {
+    ctx: TextContext,
+    decoder: IncrementalDecoder,
+    stop: StopMatcher,
+    output: String,
+    generated: u32,
+    min_new_tokens: u32,
+    seed: Option<u64>,
+    queued_at: Instant,
+    ended: bool,
+}
+
+impl TextStream {
+    pub fn new(ctx: TextContext, request: &ValidRequest, queued_at: Instant) -> Self {
+        Self {
+            ctx,
+            decoder: IncrementalDecoder::new(&request.input_ids),
+            stop: StopMatcher::new(request.stop_sequences.clone()),
+            output: String::new(),
+            generated: 0,
+            min_new_tokens: request.min_new_tokens,
+            seed: request.seed,
+            queued_at,
+            ended: false,
+        }
+    }
+
+    /// Whether the last message (`End`) was produced: later events are ignored.
+    pub fn ended(&self) -> bool {
+        self.ended
+    }
+
+    /// The messages one event becomes, in order.
+    pub fn apply(&mut self, event: SeqEvent, out: &mut VecDeque<InferStreamResponse>) {
+        if self.ended {
+            return;
+        }
+        match event {
+            SeqEvent::Prefill { ids, logprobs } => {
+                let prefill = ids
+                    .iter()
+                    .zip(logprobs.iter().chain(std::iter::repeat(&f32::NAN)))
+                    .map(|(&id, &lp)| PrefillToken {
+                        id,
+                        text: self.ctx.token_text(id),
+                        logprob: if lp.is_nan() { None } else { Some(lp) },
+                    })
+                    .collect();
+                out.push_back(InferStreamResponse::Prefill(prefill));
+            }
+            SeqEvent::Tokens { ids, logprobs, top, finish, started_at } => {
+                let n = ids.len();
+                for (i, &id) in ids.iter().enumerate() {
+                    let logprob = logprobs.get(i).copied().unwrap_or(f32::NAN);
+                    let top_tokens = top
+                        .get(i)
+                        .map(|t| {
+                            t.ids
+                                .iter()
+                                .zip(t.logprobs.iter())
+                                .map(|(&tid, &lp)| self.ctx.token(tid, lp, self.ctx.token_text(tid)))
+                                .collect()
+                        })
+                        .unwrap_or_default();
+                    let last_finish = if i + 1 == n { finish } else { None };
+                    if let Some(msg) = self.push(id, logprob, top_tokens, last_finish, started_at) {
+                        let end = matches!(msg, InferStreamResponse::End { .. });
+                        out.push_back(msg);
+                        if end {
+                            self.ended = true;
+                            return;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn push(
+        &mut self,
+        id: u32,
+        logprob: f32,
+        top_tokens: Vec<Token>,
+        finish: Option<Finish>,
+        started_at: Instant,
+    ) -> Option<InferStreamResponse> {
+        self.generated += 1;
+        let special = self.ctx.special_ids.contains(&id);
+        // Special tokens (EOS, chat markup) show in the token stream but not in the text.
+        let (mut text, stopped) = if special {
+            (self.ctx.token_text(id), false)
+        } else {
+            let piece = self.decoder.push(&self.ctx.tokenizer, id);
+            // Before `min_tokens` stop strings do not end the output either (as in vLLM).
+            if self.generated < self.min_new_tokens {
+                (piece, false)
+            } else {
+                match self.stop.push(&piece) {
+                    StopResult::Continue(t) => (t, false),
+                    StopResult::Stopped { text, .. } => (text, true),
+                }
+            }
+        };
+        let reason = if stopped {
+            Some(FinishReason::StopSequence)
+        } else {
+            finish.map(|f| match f {
+                Finish::Length => FinishReason::Length,
+                Finish::EosToken => FinishReason::EosToken,
+                Finish::StopToken => FinishReason::StopSequence,
+            })
+        };
+        let Some(reason) = reason else {
+            if !special {
+                self.output.push_str(&text);
+            }
+            return Some(InferStreamResponse::Token { token: self.ctx.token(id, logprob, text), top_tokens });
+        };
+        if !special {
+            if !stopped {
+                // Nothing more can come: release what was held for a partial stop match.
+                text.push_str(&self.stop.flush());
+            }
+            self.output.push_str(&text);
+        }
+        Some(InferStreamResponse::End {
+            token: self.ctx.token(id, logprob, text),
+            top_tokens,
+            generated_text: GeneratedText {
+                text: std::mem::take(&mut self.output),
+                generated_tokens: self.generated,
+                finish_reason: reason,
+                seed: self.seed,
+            },
+            queued_at: self.queued_at,
+            started_at,
+        })
+    }
+}
