@@ -208,3 +208,69 @@ impl TextStream {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use super::*;
+    use crate::proto::pb;
+
+    fn ctx() -> TextContext {
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "c": 2, "[UNK]": 3}, "unk_token": "[UNK]"}}"#;
+        TextContext::new(Arc::new(Tokenizer::from_str(json).unwrap()))
+    }
+
+    fn request(stop: &[&str]) -> ValidRequest {
+        ValidRequest {
+            inputs: "a".into(),
+            input_ids: vec![0],
+            parameters: pb::NextTokenChooserParameters::default(),
+            max_new_tokens: 8,
+            ignore_eos: false,
+            min_new_tokens: 0,
+            stop_token_ids: vec![],
+            stop_sequences: stop.iter().map(|s| s.to_string()).collect(),
+            top_n_tokens: 0,
+            decoder_input_details: false,
+            seed: Some(7),
+            grammar: None,
+        }
+    }
+
+    fn tokens(ids: &[u32], finish: Option<Finish>) -> SeqEvent {
+        SeqEvent::Tokens { ids: ids.to_vec(), logprobs: vec![-1.0; ids.len()], top: vec![], finish, started_at: Instant::now() }
+    }
+
+    #[test]
+    fn a_stop_sequence_ends_the_stream_mid_step_and_ignores_the_rest() {
+        let mut s = TextStream::new(ctx(), &request(&["c"]), Instant::now());
+        let mut out = VecDeque::new();
+        s.apply(tokens(&[1, 2, 0], None), &mut out);
+        assert!(s.ended());
+        assert_eq!(out.len(), 2, "the token after the stop is not sent");
+        let InferStreamResponse::End { generated_text, .. } = out.pop_back().unwrap() else { panic!("no End") };
+        assert_eq!(generated_text.finish_reason, FinishReason::StopSequence);
+        assert_eq!(generated_text.generated_tokens, 2);
+        assert_eq!(generated_text.seed, Some(7));
+        s.apply(tokens(&[1], Some(Finish::Length)), &mut out);
+        assert_eq!(out.len(), 1, "nothing after the end");
+    }
+
+    #[test]
+    fn the_shards_finish_ends_the_stream_with_its_reason() {
+        let mut s = TextStream::new(ctx(), &request(&[]), Instant::now());
+        let mut out = VecDeque::new();
+        s.apply(SeqEvent::Prefill { ids: vec![0], logprobs: vec![f32::NAN] }, &mut out);
+        s.apply(tokens(&[1], None), &mut out);
+        s.apply(tokens(&[1, 2], Some(Finish::Length)), &mut out);
+        assert_eq!(out.len(), 4);
+        assert!(matches!(&out[0], InferStreamResponse::Prefill(p) if p[0].logprob.is_none()));
+        let InferStreamResponse::End { generated_text, .. } = &out[3] else { panic!("no End") };
+        assert_eq!(generated_text.finish_reason, FinishReason::Length);
+        assert_eq!(generated_text.generated_tokens, 3);
+        assert!(generated_text.text.contains('c'), "{:?}", generated_text.text);
+    }
+}
