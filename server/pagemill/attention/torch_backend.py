@@ -15,6 +15,8 @@ torch reference the tests compare against.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 
@@ -39,11 +41,20 @@ class TorchAttentionBackend:
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
+        # A mixed step: the one-token rows (decode tokens next to prompt
+        # chunks) attend as one batched decode instead of one SDPA call each,
+        # which at 64 running sequences would cost more than the chunk itself.
+        singles = _single_rows(meta)
+        if singles is not None:
+            rows, decode_meta = singles
+            out.index_copy_(0, rows, self.decode(q.index_select(0, rows), k_cache, v_cache, decode_meta, scale))
         start = 0
         for i, (n, total) in enumerate(zip(meta.query_lens, meta.kv_lens)):
             end = start + n
             cached = total - n
-            if cached == 0:
+            if singles is not None and n == 1:
+                pass  # done above
+            elif cached == 0:
                 # Nothing before this step: the fresh k/v are the whole sequence.
                 out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], None, scale, causal=True)
             else:
@@ -80,6 +91,35 @@ class TorchAttentionBackend:
             q.view(batch, kv_heads, group, head_dim), keys, values, attn_mask=mask, scale=scale
         )
         return out.reshape(batch, kv_heads * group, head_dim)
+
+
+def _single_rows(meta: AttentionMetadata):
+    """(packed row of each one-token sequence, their decode metadata), or None
+    when fewer than two sequences have one token; built once per forward."""
+    if "singles" in meta.derived:
+        return meta.derived["singles"]
+    seqs = [i for i, n in enumerate(meta.query_lens) if n == 1]
+    result = None
+    if len(seqs) >= 2:
+        device = meta.block_tables.device
+        index = torch.tensor(seqs, dtype=torch.int64, device=device)
+        rows = meta.cu_seqlens_q[:-1].index_select(0, index).long()
+        kv_lens = [meta.kv_lens[i] for i in seqs]
+        result = rows, AttentionMetadata(
+            is_prefill=False,
+            slot_mapping=meta.slot_mapping[:0],
+            cu_seqlens_q=torch.arange(len(seqs) + 1, dtype=torch.int32, device=device),
+            cu_seqlens_k=torch.tensor([0, *itertools.accumulate(kv_lens)], dtype=torch.int32, device=device),
+            max_seqlen_q=1,
+            max_seqlen_k=max(kv_lens),
+            # Padded as wide as the step's widest table; context_lens bound the reads.
+            block_tables=meta.block_tables.index_select(0, index),
+            context_lens=meta.context_lens.index_select(0, index),
+            query_lens=[1] * len(seqs),
+            kv_lens=kv_lens,
+        )
+    meta.derived["singles"] = result
+    return result
 
 
 def _kernel_applies(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
