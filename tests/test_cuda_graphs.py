@@ -19,7 +19,7 @@ from pagemill.attention.backend import select_backend
 from pagemill.attention.metadata import make_metadata
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
-from pagemill.shard.batch import StepInputs
+from pagemill.shard.step_inputs import StepInputs
 from pagemill.shard.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes, select_bucket
 from pagemill.shard.engine import ModelRunner
 from pagemill.shard.kv_pool import KVPool
@@ -76,7 +76,7 @@ class Setup:
         self.seqs.append(dict(table=table, ids=ids, length=length))
 
     def decode_inputs(self, seqs) -> StepInputs:
-        """The decode step that feeds each sequence's token `length` (as ShardBatch.decode_inputs builds it)."""
+        """The decode step that feeds each sequence's token `length` (as step_inputs.build_inputs builds it)."""
         meta = make_metadata(
             is_prefill=False, query_lens=[1] * len(seqs), kv_lens=[s["length"] + 1 for s in seqs],
             block_tables=[s["table"] for s in seqs],
@@ -139,7 +139,7 @@ def test_steps_that_do_not_fit_run_eagerly(model_dir):
 
 def test_runner_decodes_the_same_tokens_through_the_static_buffers(model_dir):
     """The engine hook: greedy generation with DecodeGraphs forced on (eager on CPU) == without."""
-    from test_speculative import Driver
+    from test_speculative import generate
 
     def runner():
         model, config = load_model(model_dir)
@@ -150,15 +150,15 @@ def test_runner_decodes_the_same_tokens_through_the_static_buffers(model_dir):
         return r
 
     prompts = [[5, 17, 99, 42, 7, 250, 3], [60, 61], [1, 200, 13, 14, 15], [9] * 11, [33, 34, 35]]
-    ref = Driver(runner()).run(prompts, 20)
+    ref = generate(runner(), prompts, 20)
     r = runner()
     r.cuda_graphs = DecodeGraphs(r.model, r.pool.kv_caches, max_batch_size=8, max_total_tokens=96, block_size=BLOCK,
                                  vocab_size=r.config.vocab_size, device="cpu")  # fmt: skip
     calls = []
     original = r.cuda_graphs.forward
     r.cuda_graphs.forward = lambda bucket: (calls.append(bucket), original(bucket))[1]
-    got = Driver(r).run(prompts, 20)
-    assert [got[i]["ids"] for i in range(5)] == [ref[i]["ids"] for i in range(5)]
+    got = generate(r, prompts, 20)
+    assert [got[i].ids for i in range(5)] == [ref[i].ids for i in range(5)]
     assert calls and set(calls) == {8}  # 5 sequences decode on the 8-row bucket
 
 
