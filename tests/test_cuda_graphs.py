@@ -22,6 +22,7 @@ from pagemill.proto import pb
 from pagemill.shard.step_inputs import StepInputs
 from pagemill.shard.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes, select_bucket
 from pagemill.shard.engine import ModelRunner
+from pagemill.shard.harness import Blocks
 from pagemill.shard.kv_pool import KVPool
 
 BLOCK = 4
@@ -59,15 +60,14 @@ class Setup:
         self.model, self.config = load_model(model_dir, dtype, device, select_backend(backend, device))
         self.pool = KVPool.with_blocks(self.config, num_blocks=120, block_size=BLOCK, dtype=kv_dtype or dtype,
                                        device=device)  # fmt: skip
-        self.free = list(range(1, 120))
-        random.Random(seed).shuffle(self.free)
+        self.blocks = Blocks(120, BLOCK, seed)
         self.rng = random.Random(seed)
         self.seqs: list[dict] = []
 
     def add(self, length: int) -> None:
-        table = [self.free.pop() for _ in range(-(-(length + 1) // BLOCK))]  # room for the decoded token
+        table = self.blocks.grow([], length + 1)  # room for the decoded token
         ids = [self.rng.randrange(self.config.vocab_size) for _ in range(length + 1)]
-        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)]
+        slots = self.blocks.slots(table, 0, length)
         meta = make_metadata(is_prefill=True, query_lens=[length], kv_lens=[length], block_tables=[table],
                              slot_mapping=slots, device=self.device)  # fmt: skip
         with torch.inference_mode():
@@ -80,7 +80,7 @@ class Setup:
         meta = make_metadata(
             is_prefill=False, query_lens=[1] * len(seqs), kv_lens=[s["length"] + 1 for s in seqs],
             block_tables=[s["table"] for s in seqs],
-            slot_mapping=[s["table"][s["length"] // BLOCK] * BLOCK + s["length"] % BLOCK for s in seqs],
+            slot_mapping=[self.blocks.slots(s["table"], s["length"], s["length"] + 1)[0] for s in seqs],
             device=self.device,
         )  # fmt: skip
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731

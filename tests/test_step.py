@@ -119,7 +119,7 @@ def test_contradicting_entries_fail_alone(model_dir, alone):
     router.step()
     req = router.plan()
     req.requests[1].num_computed += 1  # request 2
-    req.requests.append(pb.ScheduledRequest(id=77, num_computed=3, num_tokens=1, new_block_ids=[router.free[0]]))
+    req.requests.append(pb.ScheduledRequest(id=77, num_computed=3, num_tokens=1, new_block_ids=[router.blocks.free[0]]))
     gens = router.send(req).generations
     assert [g.request_id for g in gens] == [1, 2, 3, 77]
     assert "num_computed" in gens[1].error and "unknown" in gens[3].error

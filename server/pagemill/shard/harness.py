@@ -1,10 +1,11 @@
 """FakeRouter: the router's side of the Step protocol, for tests and shard benchmarks.
 
-It is the one place outside the Rust router that does block arithmetic: a
-shuffled free list of block ids 1..num_blocks-1 (block 0 is scratch), a
-table per request grown by one block whenever a sequence crosses a block
-boundary (plus room for `speculate` proposals on decode entries), reference
-counts so that forks and prefix reuse share blocks. It builds
+It is the one place outside the Rust router that does block arithmetic
+(`Blocks`, which model-level tests use too): a shuffled free list of block
+ids 1..num_blocks-1 (block 0 is scratch), a table per request grown by one
+block whenever a sequence crosses a block boundary (plus room for
+`speculate` proposals on decode entries), reference counts so that forks and
+prefix reuse share blocks. It builds
 pb.StepRequests, hands them to a step function (ModelRunner.step, or a gRPC
 stub's Step) and folds the answers back: tokens, computed counts, finishes.
 
@@ -19,6 +20,44 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
 from pagemill.proto import pb
+from pagemill.shard.step_inputs import slot
+
+
+class Blocks:
+    """Block ids 1..num_blocks-1, handed out in shuffled order (non-contiguous, out-of-order
+    tables), reference-counted so that tables may share blocks."""
+
+    def __init__(self, num_blocks: int, block_size: int, seed: int = 0) -> None:
+        self.block_size = block_size
+        self.free = list(range(1, num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.refs: dict[int, int] = {}
+
+    def grow(self, table: list[int], positions: int) -> list[int]:
+        """A new block only when the sequence crosses a block boundary."""
+        while len(table) * self.block_size < positions:
+            b = self.free.pop()
+            self.refs[b] = 1
+            table.append(b)
+        return table
+
+    def share(self, table: list[int]) -> list[int]:
+        for b in table:
+            self.refs[b] += 1
+        return list(table)
+
+    def release(self, table: list[int]) -> None:
+        for b in table:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                del self.refs[b]
+                self.free.append(b)
+        table.clear()
+
+    def slots(self, table: list[int], start: int, end: int) -> list[int]:
+        """Slots of positions start..end-1, growing the table to hold them."""
+        self.grow(table, end)
+        return [slot(table, p, self.block_size) for p in range(start, end)]
 
 
 @dataclass
@@ -55,9 +94,7 @@ class FakeRouter:
     def __init__(self, step: Callable, num_blocks: int, block_size: int, *, speculate: int = 0, seed: int = 0):
         self._step = step  # pb.StepRequest -> pb.StepResponse
         self.block_size, self.speculate = block_size, speculate
-        self.free = list(range(1, num_blocks))
-        random.Random(seed).shuffle(self.free)  # non-contiguous, out-of-order tables
-        self.refs: dict[int, int] = {}
+        self.blocks = Blocks(num_blocks, block_size, seed)
         self.requests: dict[int, Tracked] = {}  # unfinished ones
         self.outputs: dict[int, Output] = {}
         self.finished_ids: list[int] = []  # ended here since the last step
@@ -85,24 +122,22 @@ class FakeRouter:
         if prefix is not None:
             src, n = self.requests[prefix[0]], prefix[1]
             assert n % self.block_size == 0 and src.tokens[:n] == t.tokens[:n], "a shared prefix is whole blocks"
-            self._grow(src, n)
-            t.table, t.computed = src.table[: n // self.block_size], n
-            for b in t.table:
-                self.refs[b] += 1
+            self.blocks.grow(src.table, n)
+            t.table, t.computed = self.blocks.share(src.table[: n // self.block_size]), n
         self.requests[rid] = t
         self.outputs[rid] = t.out
         return t.out
 
     def abort(self, rid: int) -> None:
         """The router ends a request (client gone, stop sequence): the shard hears it next step."""
-        self._release(self.requests.pop(rid))
+        self.blocks.release(self.requests.pop(rid).table)
         self.outputs[rid].done = True
         self.finished_ids.append(rid)
 
     def preempt(self, rid: int) -> None:
         """Frees the request's blocks; it is recomputed later from its prompt and generated tokens."""
         t = self.requests[rid]
-        self._release(t)
+        self.blocks.release(t.table)
         generated = len(t.tokens) - len(t.new.input_ids) + t.new.generated_len
         fresh = pb.NewRequest()
         fresh.CopyFrom(t.new)
@@ -126,7 +161,7 @@ class FakeRouter:
             left = len(t.tokens) - t.computed
             n = left if t.chunk is None or left <= 1 else min(left, t.chunk)
             proposals = self.speculate if n == left == 1 else 0
-            self._grow(t, t.computed + n + proposals)
+            self.blocks.grow(t.table, t.computed + n + proposals)
             entries.append(pb.ScheduledRequest(
                 id=rid, new_request=t.new if t.fresh else None, num_computed=t.computed, num_tokens=n,
                 new_block_ids=t.table[0 if t.fresh else t.sent_blocks :], max_proposals=proposals,
@@ -157,7 +192,7 @@ class FakeRouter:
             o.finish, o.error = g.finish_reason, g.error
             if g.error or g.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 o.done = True
-                self._release(self.requests.pop(e.id))  # the shard dropped it itself
+                self.blocks.release(self.requests.pop(e.id).table)  # the shard dropped it itself
         return resp
 
     def step(self, rids: Iterable[int] | None = None) -> pb.StepResponse:
@@ -177,20 +212,3 @@ class FakeRouter:
             self.add(rid, prompt, max_new_tokens, params=params[rid] if params else None,
                      grammar=grammars[rid] if grammars else None, **kw)  # fmt: skip
         return self.run()
-
-    # --- blocks ---------------------------------------------------------------------
-
-    def _grow(self, t: Tracked, positions: int) -> None:
-        """A new block only when the sequence crosses a block boundary."""
-        while len(t.table) * self.block_size < positions:
-            b = self.free.pop()
-            self.refs[b] = 1
-            t.table.append(b)
-
-    def _release(self, t: Tracked) -> None:
-        for b in t.table:
-            self.refs[b] -= 1
-            if self.refs[b] == 0:
-                del self.refs[b]
-                self.free.append(b)
-        t.table = []
