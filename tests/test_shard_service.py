@@ -197,7 +197,8 @@ def test_greedy_generation_matches_transformers(shard, router):
     out11 = router.outputs[11]
     assert all(len(t) == 3 and t[0] == i for t, i in zip(out11.top, out11.ids))
     # Finished requests are gone from the shard: naming one again fails that entry alone.
-    (gen,) = client.Step(pb.StepRequest(requests=[pb.ScheduledRequest(id=10, num_computed=18, num_tokens=1)])).generations
+    stale = pb.ScheduledRequest(id=10, num_computed=18, num_tokens=1)
+    (gen,) = client.Step(pb.StepRequest(requests=[stale])).generations
     assert gen.request_id == 10 and "unknown" in gen.error
 
 

@@ -7,6 +7,8 @@ Every comparison is against the same requests run one at a time, unchunked
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -201,3 +203,21 @@ def test_speculation_with_chunked_late_joiners(model_dir, alone, draft):
         assert_same(router.outputs[rid], alone[rid])
     if draft:
         assert multi and all(n == 4 for n in multi)
+
+
+def test_prompt_logprobs_of_a_cached_prompt_in_a_speculative_step(model_dir):
+    """A request whose prompt is cached but for its last token is a decode entry: it still
+    gets its prompt logprobs (NaN where cached), and no proposals until it has them."""
+    hf = load_hf(model_dir)
+    runner = make_runner(model_dir, speculate=3)
+    router = FakeRouter.for_runner(runner)
+    router.add(4, PROMPTS[4][:8] + [7, 7, 7], 10, ignore_eos=True)
+    router.step()
+    other = PROMPTS[4][:8] + [42]
+    router.add(5, other, 6, ignore_eos=True, prefix=(4, 8), prefill_logprobs=True)
+    req = router.plan()
+    assert [(e.num_tokens, e.max_proposals) for e in req.requests] == [(1, 3), (1, 3)]
+    gens = router.send(req).generations
+    assert len(gens[1].tokens.ids) == 1 and list(gens[1].prefill_tokens.ids) == other
+    assert all(math.isnan(x) for x in gens[1].prefill_tokens.logprobs) and len(gens[1].prefill_tokens.logprobs) == 9
+    assert router.run()[5].ids == hf_greedy(hf, other, 6)

@@ -37,6 +37,7 @@ from pagemill.sampling.sampler import Sampler
 from pagemill.shard.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagemill.shard.errors import ShardError
 from pagemill.shard.generations import Emitted, advance
+from pagemill.shard.prompt_logprobs import prompt_logprobs
 from pagemill.shard.requests import Entry, Limits, RequestState, apply_step, check_step
 from pagemill.shard.speculation import num_proposals, propose, verify_step
 from pagemill.shard.step_inputs import build_inputs, is_decode_step
@@ -252,7 +253,7 @@ class ModelRunner:
                     for e, k, em in zip(live, ks, tokens):
                         if k > 0:  # the draft fed start .. start + k - 1; the first len(em) of them stand
                             e.state.draft_len = e.start + min(k, len(em.ids))
-                return {e.id: em for e, em in zip(live, tokens)}, {}
+                return {e.id: em for e, em in zip(live, tokens)}, prompt_logprobs(self.model, live, None)
         inputs = build_inputs(live, self.block_size, self.device)
         sampled = [i for i, e in enumerate(live) if e.sampled]
         reqs = [live[i].state for i in sampled]
@@ -277,7 +278,7 @@ class ModelRunner:
         out = self.sampler(logits, reqs, self._wait(masks), self.banned_tokens(reqs))
         emitted = {live[i].id: Emitted([t], [lp], [(ti, tl)]) for i, t, lp, ti, tl in
                    zip(sampled, out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)}  # fmt: skip
-        return emitted, self._prompt_logprobs(live, hidden)
+        return emitted, prompt_logprobs(self.model, live, hidden)
 
     def banned_tokens(self, requests: Sequence[RequestState], rows: Sequence[int] | None = None) -> dict:
         """Row -> tokens it may not draw: EOS and the stop tokens while a request has
@@ -325,21 +326,3 @@ class ModelRunner:
             self.broken = f"{type(e).__name__}: {e}"
             log.exception("forward failed")
             raise
-
-    def _prompt_logprobs(self, live: list[Entry], hidden: torch.Tensor | None) -> dict[int, list[float]]:
-        """Raw-logit log_softmax of each prompt token given its prefix (TGI's
-        decoder_input_details), on the step whose range ends the prompt. NaN for the
-        first token and for tokens whose predecessor was computed in an earlier step."""
-        result: dict[int, list[float]] = {}
-        row = 0
-        for e in live:
-            r = e.state
-            if r.prefill_logprobs and e.sampled and r.generated == 0 and r.error is None:
-                lps = [math.nan] * (e.start + 1)
-                if e.num_tokens > 1:
-                    logits = self.model.compute_logits(hidden[row : row + e.num_tokens - 1])
-                    targets = torch.tensor(r.token_ids[e.start + 1 : e.end], device=logits.device)
-                    lps += logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist()
-                result[e.id] = lps
-            row += e.num_tokens
-        return result
