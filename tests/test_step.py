@@ -206,10 +206,11 @@ def test_speculation_with_chunked_late_joiners(model_dir, alone, draft):
 
 
 def test_prompt_logprobs_of_a_cached_prompt_in_a_speculative_step(model_dir):
-    """A request whose prompt is cached but for its last token is a decode entry: it still
-    gets its prompt logprobs (NaN where cached), and no proposals until it has them."""
+    """A request whose prompt is cached but for its last token is a decode entry: its first
+    step verifies proposals (the target as its own draft: all accepted, the draft pool's
+    copy of the shared blocks included) and reports its prompt logprobs (NaN: cached)."""
     hf = load_hf(model_dir)
-    runner = make_runner(model_dir, speculate=3)
+    runner = make_runner(model_dir, speculate=3, draft_dir=model_dir)
     router = FakeRouter.for_runner(runner)
     router.add(4, PROMPTS[4][:8] + [7, 7, 7], 10, ignore_eos=True)
     router.step()
@@ -218,6 +219,6 @@ def test_prompt_logprobs_of_a_cached_prompt_in_a_speculative_step(model_dir):
     req = router.plan()
     assert [(e.num_tokens, e.max_proposals) for e in req.requests] == [(1, 3), (1, 3)]
     gens = router.send(req).generations
-    assert len(gens[1].tokens.ids) == 1 and list(gens[1].prefill_tokens.ids) == other
+    assert len(gens[1].tokens.ids) == 4 and list(gens[1].prefill_tokens.ids) == other
     assert all(math.isnan(x) for x in gens[1].prefill_tokens.logprobs) and len(gens[1].prefill_tokens.logprobs) == 9
     assert router.run()[5].ids == hf_greedy(hf, other, 6)

@@ -6,8 +6,7 @@ feeds them after the decode token in one varlen target forward and returns
 the accepted ones plus one (speculative/verify.py). Requests with
 penalties, a grammar or EOS still banned (min_new_tokens) get no proposals:
 their next-token distribution depends on the tokens before it in ways the
-batched verifier does not model. Nor does a request still owed its prompt
-logprobs (one row each keeps their bookkeeping plain).
+batched verifier does not model.
 
 They take the runner as `self`, being its methods moved out for length.
 """
@@ -20,7 +19,6 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from pagemill.shard.generations import Emitted
-from pagemill.shard.prompt_logprobs import wants_prompt_logprobs
 from pagemill.shard.requests import Entry, RequestState
 from pagemill.shard.step_inputs import build_inputs, fed_tokens
 from pagemill.speculative.ngram import propose_ngram
@@ -34,7 +32,7 @@ def num_proposals(self: "ModelRunner", r: RequestState) -> int:
     """K where exactness is cheap; the bonus token always comes on top, so at most
     max_new_tokens - generated - 1 proposals can ever be used."""
     if (self.speculate == 0 or r.params.has_penalties or r.grammar is not None or r.error is not None
-            or r.generated < r.min_new_tokens or wants_prompt_logprobs(r)):  # fmt: skip
+            or r.generated < r.min_new_tokens):  # fmt: skip
         return 0
     return max(0, min(self.speculate, r.max_new_tokens - r.generated - 1))
 
