@@ -113,9 +113,10 @@ class FakeRouter:
         blocks) are those of a request still held here, whose blocks it shares (a fork, or a
         prefix-cache hit); they count as computed even if that request computes them in the
         same step."""
+        prompt = list(prompt)
         stopping = pb.StoppingCriteriaParameters(max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos,
                                                  min_new_tokens=min_new_tokens, stop_token_ids=list(stop_token_ids))
-        new = pb.NewRequest(input_ids=list(prompt), parameters=params or pb.NextTokenChooserParameters(),
+        new = pb.NewRequest(input_ids=prompt, parameters=params or pb.NextTokenChooserParameters(),
                             stopping_parameters=stopping, top_n_tokens=top_n, prefill_logprobs=prefill_logprobs,
                             grammar=grammar)  # fmt: skip
         t = Tracked(new, list(prompt), chunk)
