@@ -2,9 +2,9 @@
 
 The workload is summaries that quote their prompt (the case prompt lookup is
 for). One model is loaded once; two shard runners share it, one with
---speculate K (n-gram) and one without, each driven in-process by a minimal
-router (block tables, K + 1 slots per decode step, advance by the tokens
-returned). Greedy decoding, so both produce the same tokens. Batch 1 and
+--speculate K (n-gram) and one without, each driven in-process by the FakeRouter
+harness (shard/harness.py: room for K proposals per decode entry, advance by
+the tokens returned). Greedy decoding, so both produce the same tokens. Batch 1 and
 batch 16, side by side; prints a table, writes JSON (and a PNG when
 matplotlib is installed).
 
@@ -29,6 +29,7 @@ from pagemill.models.default_model import resolve_model  # noqa: E402
 from pagemill.models.loader import load_model  # noqa: E402
 from pagemill.proto import pb  # noqa: E402
 from pagemill.shard.engine import ModelRunner  # noqa: E402
+from pagemill.shard.harness import FakeRouter  # noqa: E402
 
 BLOCK = 16
 TEXTS = [
@@ -57,55 +58,26 @@ def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
     return out
 
 
-class MiniRouter:
-    """Hands out block ids and slots the way the real router does."""
-
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner, self.free = runner, list(range(1, runner.pool.num_blocks))
-        self.tables: dict[int, list[int]] = {}
-
-    def _slots(self, rid: int, start: int, end: int) -> list[int]:
-        table = self.tables.setdefault(rid, [])
-        while len(table) * BLOCK < end:
-            table.append(self.free.pop())
-        return [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
-
-    def generate(self, batch_prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], int]:
-        """Runs one batch to completion; returns (tokens of each request, decode steps)."""
-        k = self.runner.speculate
-        reqs, fed = [], {}
-        for rid, p in enumerate(batch_prompts):
-            slots = self._slots(rid, 0, len(p))
-            reqs.append(pb.Request(id=rid, input_ids=p, block_table=self.tables[rid], slots=slots,
-                                   parameters=pb.NextTokenChooserParameters(),
-                                   stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new)))
-            fed[rid] = len(p)
-        batch = self.runner.new_batch(pb.Batch(id=0, requests=reqs))
-        tokens: list[list[int]] = [[] for _ in batch_prompts]
-        for g in self.runner.prefill(batch).generations:
-            tokens[g.request_id] += g.tokens.ids
-        steps = 0
-        while batch.requests:
-            slots = [pb.RequestSlots(request_id=r.id, slots=self._slots(r.id, fed[r.id], fed[r.id] + k + 1),
-                                     block_table=self.tables[r.id]) for r in batch.requests]
-            for g in self.runner.decode(batch, slots).generations:
-                fed[g.request_id] += len(g.tokens.ids)
-                tokens[g.request_id] += g.tokens.ids
-            steps += 1
-        for table in self.tables.values():
-            self.free += table
-        self.tables.clear()
-        return tokens, steps
+def generate(runner: ModelRunner, batch_prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], int]:
+    """Runs one batch to completion; returns (tokens of each request, decode steps)."""
+    router = FakeRouter.for_runner(runner)
+    for rid, p in enumerate(batch_prompts):
+        router.add(rid, p, max_new)
+    router.step()  # the prompts
+    steps = 0
+    while router.requests:
+        router.step()
+        steps += 1
+    return [router.outputs[rid].ids for rid in range(len(batch_prompts))], steps
 
 
 def measure(runner: ModelRunner, all_prompts, batch: int, max_new: int, repeats: int) -> dict:
-    router = MiniRouter(runner)
-    router.generate(all_prompts[:batch], 4)  # warm the caches of this shape
+    generate(runner, all_prompts[:batch], 4)  # warm the caches of this shape
     outputs, steps = [], 0
     start = time.perf_counter()
     for i in range(repeats):
         chunk = [all_prompts[(i * batch + j) % len(all_prompts)] for j in range(batch)]
-        t, s = router.generate(chunk, max_new)
+        t, s = generate(runner, chunk, max_new)
         outputs, steps = outputs + t, steps + s
     elapsed = time.perf_counter() - start
     tokens = sum(map(len, outputs))

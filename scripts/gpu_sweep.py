@@ -68,7 +68,7 @@ def measure(model, config, pool, *, backend: str, batch: int, prompt_len: int, s
             graphs: bool = False) -> Row:  # fmt: skip
     """One prefill then warmup + `steps` timed decode steps of `batch` sequences in `pool`."""
     from pagemill.attention.metadata import make_metadata
-    from pagemill.shard.batch import StepInputs
+    from pagemill.shard.step_inputs import StepInputs
     from pagemill.shard.cuda_graphs import DecodeGraphs
 
     device, bs = pool.storage.device, pool.block_size

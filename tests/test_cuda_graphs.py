@@ -19,9 +19,10 @@ from pagemill.attention.backend import select_backend
 from pagemill.attention.metadata import make_metadata
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
-from pagemill.shard.batch import StepInputs
+from pagemill.shard.step_inputs import StepInputs
 from pagemill.shard.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes, select_bucket
 from pagemill.shard.engine import ModelRunner
+from pagemill.shard.harness import Blocks
 from pagemill.shard.kv_pool import KVPool
 
 BLOCK = 4
@@ -59,15 +60,14 @@ class Setup:
         self.model, self.config = load_model(model_dir, dtype, device, select_backend(backend, device))
         self.pool = KVPool.with_blocks(self.config, num_blocks=120, block_size=BLOCK, dtype=kv_dtype or dtype,
                                        device=device)  # fmt: skip
-        self.free = list(range(1, 120))
-        random.Random(seed).shuffle(self.free)
+        self.blocks = Blocks(120, BLOCK, seed)
         self.rng = random.Random(seed)
         self.seqs: list[dict] = []
 
     def add(self, length: int) -> None:
-        table = [self.free.pop() for _ in range(-(-(length + 1) // BLOCK))]  # room for the decoded token
+        table = self.blocks.grow([], length + 1)  # room for the decoded token
         ids = [self.rng.randrange(self.config.vocab_size) for _ in range(length + 1)]
-        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(length)]
+        slots = self.blocks.slots(table, 0, length)
         meta = make_metadata(is_prefill=True, query_lens=[length], kv_lens=[length], block_tables=[table],
                              slot_mapping=slots, device=self.device)  # fmt: skip
         with torch.inference_mode():
@@ -76,11 +76,11 @@ class Setup:
         self.seqs.append(dict(table=table, ids=ids, length=length))
 
     def decode_inputs(self, seqs) -> StepInputs:
-        """The decode step that feeds each sequence's token `length` (as ShardBatch.decode_inputs builds it)."""
+        """The decode step that feeds each sequence's token `length` (as step_inputs.build_inputs builds it)."""
         meta = make_metadata(
             is_prefill=False, query_lens=[1] * len(seqs), kv_lens=[s["length"] + 1 for s in seqs],
             block_tables=[s["table"] for s in seqs],
-            slot_mapping=[s["table"][s["length"] // BLOCK] * BLOCK + s["length"] % BLOCK for s in seqs],
+            slot_mapping=[self.blocks.slots(s["table"], s["length"], s["length"] + 1)[0] for s in seqs],
             device=self.device,
         )  # fmt: skip
         t = lambda x: torch.tensor(x, dtype=torch.int64, device=self.device)  # noqa: E731
@@ -139,7 +139,7 @@ def test_steps_that_do_not_fit_run_eagerly(model_dir):
 
 def test_runner_decodes_the_same_tokens_through_the_static_buffers(model_dir):
     """The engine hook: greedy generation with DecodeGraphs forced on (eager on CPU) == without."""
-    from test_speculative import Driver
+    from test_speculative import generate
 
     def runner():
         model, config = load_model(model_dir)
@@ -150,15 +150,15 @@ def test_runner_decodes_the_same_tokens_through_the_static_buffers(model_dir):
         return r
 
     prompts = [[5, 17, 99, 42, 7, 250, 3], [60, 61], [1, 200, 13, 14, 15], [9] * 11, [33, 34, 35]]
-    ref = Driver(runner()).run(prompts, 20)
+    ref = generate(runner(), prompts, 20)
     r = runner()
     r.cuda_graphs = DecodeGraphs(r.model, r.pool.kv_caches, max_batch_size=8, max_total_tokens=96, block_size=BLOCK,
                                  vocab_size=r.config.vocab_size, device="cpu")  # fmt: skip
     calls = []
     original = r.cuda_graphs.forward
     r.cuda_graphs.forward = lambda bucket: (calls.append(bucket), original(bucket))[1]
-    got = Driver(r).run(prompts, 20)
-    assert [got[i]["ids"] for i in range(5)] == [ref[i]["ids"] for i in range(5)]
+    got = generate(r, prompts, 20)
+    assert [got[i].ids for i in range(5)] == [ref[i].ids for i in range(5)]
     assert calls and set(calls) == {8}  # 5 sequences decode on the 8-row bucket
 
 

@@ -14,7 +14,8 @@ from tokenizers import Tokenizer
 
 from pagemill.grammar.matcher import GrammarCompiler, GrammarError
 from pagemill.proto import pb
-from test_speculative import Driver, make_runner
+from pagemill.shard.harness import FakeRouter
+from test_speculative import generate, make_runner
 
 JSON, REGEX = pb.GRAMMAR_TYPE_JSON, pb.GRAMMAR_TYPE_REGEX
 
@@ -87,12 +88,12 @@ def test_fifty_random_json_schemas_all_validate(tiny_dir, tokenizer):
     params = [pb.NextTokenChooserParameters(do_sample=True, temperature=1.0, seed=i, has_seed=True)
               for i in range(25)] + [pb.NextTokenChooserParameters()] * 25  # fmt: skip
     grammars = [pb.Grammar(type=JSON, value=json.dumps(s)) for s in schemas]
-    out = Driver(make_runner(tiny_dir, blocks=2000)).run(prompts, 160, params=params, grammars=grammars)
+    out = generate(make_runner(tiny_dir, blocks=2000), prompts, 160, params=params, grammars=grammars)
     for i, schema in enumerate(schemas):
         o = out[i]
-        assert o["error"] == "" and o["finish"] == pb.FINISH_REASON_EOS_TOKEN, (schema, o)
-        assert o["ids"][-1] == 2  # the finished grammar forced EOS (ignore_eos is set)
-        text = tokenizer.decode(o["ids"][:-1], skip_special_tokens=False)
+        assert o.error == "" and o.finish == pb.FINISH_REASON_EOS_TOKEN, (schema, o)
+        assert o.ids[-1] == 2  # the finished grammar forced EOS (ignore_eos is set)
+        text = tokenizer.decode(o.ids[:-1], skip_special_tokens=False)
         jsonschema.validate(json.loads(text), schema)
 
 
@@ -100,10 +101,10 @@ def test_regex_outputs_match(tiny_dir, tokenizer):
     patterns = [r"\d{3}-\d{4}", r"(yes|no)", r"[a-z]{2,6}@[a-z]{3,5}\.(com|org)", r"#[0-9a-f]{6}",
                 r"(Mon|Tue|Wed) [1-9]:[0-5][0-9]"]  # fmt: skip
     grammars = [pb.Grammar(type=REGEX, value=p) for p in patterns]
-    out = Driver(make_runner(tiny_dir)).run([[100, 200, 300]] * len(patterns), 40, grammars=grammars)
+    out = generate(make_runner(tiny_dir), [[100, 200, 300]] * len(patterns), 40, grammars=grammars)
     for i, p in enumerate(patterns):
-        assert out[i]["finish"] == pb.FINISH_REASON_EOS_TOKEN
-        assert re.fullmatch(p, tokenizer.decode(out[i]["ids"][:-1])), (p, out[i])
+        assert out[i].finish == pb.FINISH_REASON_EOS_TOKEN
+        assert re.fullmatch(p, tokenizer.decode(out[i].ids[:-1])), (p, out[i])
 
 
 def test_a_bad_grammar_fails_only_its_request(tiny_dir, tokenizer):
@@ -111,16 +112,16 @@ def test_a_bad_grammar_fails_only_its_request(tiny_dir, tokenizer):
     runner = make_runner(tiny_dir, speculate=2)
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11], [12, 13]]
     grammars = [None, pb.Grammar(type=JSON, value='{"type": "nope"}'), pb.Grammar(type=REGEX, value="(a|b)c")]
-    batch_gens = []
-    orig = runner.prefill
-    runner.prefill = lambda b: (r := orig(b), batch_gens.extend(r.generations))[0]
-    out = Driver(runner).run(prompts, 8, grammars=grammars)
-    bad = next(g for g in batch_gens if g.request_id == 1)
+    first_step = []
+    orig = runner.step
+    runner.step = lambda req: (r := orig(req), first_step.extend(r.generations) if not first_step else None)[0]
+    out = generate(runner, prompts, 8, grammars=grammars)
+    bad = next(g for g in first_step if g.request_id == 1)
     assert "invalid JSON schema" in bad.error and not bad.HasField("tokens")
-    assert out[1]["ids"] == [] and out[1]["error"]
-    plain = Driver(make_runner(tiny_dir)).run(prompts[:1], 8)
-    assert out[0]["ids"] == plain[0]["ids"] and out[0]["finish"] == pb.FINISH_REASON_LENGTH
-    assert tokenizer.decode(out[2]["ids"][:-1]) in ("ac", "bc") and out[2]["finish"] == pb.FINISH_REASON_EOS_TOKEN
+    assert out[1].ids == [] and out[1].error
+    plain = generate(make_runner(tiny_dir), prompts[:1], 8)
+    assert out[0].ids == plain[0].ids and out[0].finish == pb.FINISH_REASON_LENGTH
+    assert tokenizer.decode(out[2].ids[:-1]) in ("ac", "bc") and out[2].finish == pb.FINISH_REASON_EOS_TOKEN
 
 
 def test_default_model_writes_valid_json(default_model_dir, tokenizer):
@@ -133,48 +134,47 @@ def test_default_model_writes_valid_json(default_model_dir, tokenizer):
                 "<|im_start|>assistant\n")  # fmt: skip
         prompts.append(tokenizer.encode(chat, add_special_tokens=False).ids)
     grammars = [pb.Grammar(type=JSON, value=json.dumps(s)) for s in schemas]
-    out = Driver(make_runner(str(default_model_dir), blocks=400)).run(prompts, 120, grammars=grammars)
+    out = generate(make_runner(str(default_model_dir), blocks=400), prompts, 120, grammars=grammars)
     for i, schema in enumerate(schemas):
-        assert out[i]["finish"] == pb.FINISH_REASON_EOS_TOKEN, out[i]
-        jsonschema.validate(json.loads(tokenizer.decode(out[i]["ids"][:-1])), schema)
+        assert out[i].finish == pb.FINISH_REASON_EOS_TOKEN, out[i]
+        jsonschema.validate(json.loads(tokenizer.decode(out[i].ids[:-1])), schema)
 
 
-def test_service_prefill_answers_a_bad_grammar_per_request(tiny_dir):
-    """Through ShardService: the RPC succeeds, the bad request gets `error`, the cached batch
-    holds only the good one, and Info reports speculate."""
+def test_service_step_answers_a_bad_grammar_per_request(tiny_dir):
+    """Through ShardService: the RPC succeeds, the bad request gets `error` and is dropped,
+    the good one decodes on, and Info reports speculate."""
     import asyncio
 
+    from pagemill.shard.harness import FakeRouter
     from pagemill.shard.service import ShardService
 
     runner = make_runner(tiny_dir, speculate=3)
     service = ShardService(runner)
     assert asyncio.run(service.Info(pb.InfoRequest(), None)).speculate == 3
-    driver = Driver(runner)
-
-    def request(rid, grammar):
-        return pb.Request(id=rid, input_ids=[5, 6, 7], block_table=driver._grow(rid, 3), slots=driver._slots(rid, 0, 3),
-                          stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=4), grammar=grammar)
-
-    bad = pb.Grammar(type=REGEX, value="(unclosed")
-    resp = asyncio.run(service.Prefill(pb.PrefillRequest(batch=pb.Batch(id=7, requests=[
-        request(1, None), request(2, bad)])), None))  # fmt: skip
+    router = FakeRouter(lambda req: asyncio.run(service.Step(req, None)), runner.pool.num_blocks, runner.block_size,
+                        speculate=3)  # fmt: skip
+    router.add(1, [5, 6, 7], 4)
+    router.add(2, [5, 6, 7], 4, grammar=pb.Grammar(type=REGEX, value="(unclosed"))
+    resp = router.step()
     by_id = {g.request_id: g for g in resp.generations}
     assert "invalid regex" in by_id[2].error and len(by_id[2].tokens.ids) == 0
     assert len(by_id[1].tokens.ids) == 1 and not by_id[1].error
-    assert list(resp.batch.request_ids) == [1]
+    assert set(runner.requests) == {1} and resp.total_ns >= resp.forward_ns > 0
+    assert [g.request_id for g in router.step().generations] == [1]
 
 
 def test_a_preempted_constrained_request_resumes_its_grammar(tiny_dir, tokenizer):
-    """Re-prefilled with its generated tokens (generated_len), the grammar continues after them."""
+    """Resumed with its generated tokens (generated_len), the grammar continues after them."""
     pattern = r"(abc|xyz)[0-9]{3}"
-    full = Driver(make_runner(tiny_dir)).run([[100, 200]], 20, grammars=[pb.Grammar(type=REGEX, value=pattern)])[0]
-    head = full["ids"][:1]
-    runner = make_runner(tiny_dir)
-    driver = Driver(runner)
-    ids = [100, 200, *head]
-    req = pb.Request(id=0, input_ids=ids, block_table=driver._grow(0, len(ids)), slots=driver._slots(0, 0, len(ids)),
-                     generated_len=len(head), grammar=pb.Grammar(type=REGEX, value=pattern),
-                     stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=19, ignore_eos_token=True))
-    gens = runner.prefill(runner.new_batch(pb.Batch(id=0, requests=[req]))).generations
-    assert not gens[0].error and list(gens[0].tokens.ids) == full["ids"][1:2]
-    assert re.fullmatch(pattern, tokenizer.decode(full["ids"][:-1]))
+    grammar = pb.Grammar(type=REGEX, value=pattern)
+    full = generate(make_runner(tiny_dir), [[100, 200]], 20, grammars=[grammar])[0]
+    router = FakeRouter.for_runner(make_runner(tiny_dir))
+    out = router.add(0, [100, 200], 20, grammar=grammar, ignore_eos=True)
+    router.step()
+    router.step()  # two tokens generated, then preempted: resent with generated_len 2, grammar replayed
+    router.preempt(0)
+    gens = router.step().generations
+    assert not gens[0].error and list(gens[0].tokens.ids) == full.ids[2:3]
+    assert out.ids == full.ids[:3]
+    assert router.run()[0].ids == full.ids
+    assert re.fullmatch(pattern, tokenizer.decode(full.ids[:-1]))

@@ -141,10 +141,10 @@ def _runner(model_dir, dtype, kv_cache_dtype, memory=1 << 20):
 
 
 def _greedy(runner, prompts, max_new):
-    from test_speculative import Driver
+    from test_speculative import generate
 
-    out = Driver(runner).run(prompts, max_new)
-    return [out[i]["ids"] for i in range(len(prompts))]
+    out = generate(runner, prompts, max_new)
+    return [out[i].ids for i in range(len(prompts))]
 
 
 @pytest.mark.parametrize("model_dtype, factor", [(torch.bfloat16, 2), (torch.float32, 4)])

@@ -1,12 +1,11 @@
 """Our paged Llama-family model against Hugging Face transformers (float32).
 
-A small test-side "router" hands out shuffled block ids and adds a block
-whenever a sequence crosses a block boundary, as the real router does.
+PagedHarness feeds the model directly (no shard); its block ids come from
+the FakeRouter's `Blocks` (shuffled, a new block whenever a sequence crosses
+a block boundary, as the real router does).
 """
 
 from __future__ import annotations
-
-import random
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch
 from pagemill.attention.metadata import make_metadata
 from pagemill.models.config import ModelConfig
 from pagemill.models.loader import load_model
+from pagemill.shard.harness import Blocks
 from pagemill.shard.kv_pool import KVPool
 
 BLOCK_SIZE = 4
@@ -26,15 +26,11 @@ class PagedHarness:
         """dtype: the KV pool's (the server makes it the model's)."""
         self.model = model
         self.pool = KVPool.with_blocks(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, device="cpu")
-        self.free = list(range(1, num_blocks))  # block 0 is scratch
-        random.Random(seed).shuffle(self.free)  # non-contiguous, out-of-order tables
+        self.blocks = Blocks(num_blocks, BLOCK_SIZE, seed)  # the router's arithmetic (shard/harness.py)
         self.tables: dict[int, list[int]] = {}
 
     def _slots(self, sid: int, start: int, end: int) -> list[int]:
-        table = self.tables.setdefault(sid, [])
-        while len(table) * BLOCK_SIZE < end:
-            table.append(self.free.pop())
-        return [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(start, end)]
+        return self.blocks.slots(self.tables.setdefault(sid, []), start, end)
 
     @torch.no_grad()
     def prefill(self, seqs: dict[int, list[int]], cache_lens: dict[int, int] | None = None) -> dict[int, torch.Tensor]:
@@ -150,7 +146,7 @@ def test_cached_prefix_gives_same_logits(tiny_model):
     shared = 2 * BLOCK_SIZE
     (suffix,) = prompts(config.vocab_size, [7], seed=6)
     other = base[:shared] + suffix
-    h.tables[1] = h.tables[0][:shared // BLOCK_SIZE]
+    h.tables[1] = h.blocks.share(h.tables[0][:shared // BLOCK_SIZE])
     logits = h.prefill({1: other}, cache_lens={1: shared})[1]
     assert logits.shape[0] == len(suffix)
     assert_close(logits, hf_logits(hf, other)[shared:], f"{name} aligned cached prefix")

@@ -201,12 +201,11 @@ def test_two_rank_model_matches_one_rank(tp_model_dirs):
 
 def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0, draft: bool = False) -> dict:
     """Warmup, then one batch (greedy, unseeded sampled, seeded sampled with top-n and prompt
-    logprobs) to completion through ModelRunner, playing the router like test_shard_service."""
-    from test_shard_service import FakeRouter, collect
-
+    logprobs) to completion through ModelRunner, driven by the FakeRouter harness."""
     from pagemill.config import ShardConfig
     from pagemill.proto import pb
     from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.harness import FakeRouter
 
     cfg = ShardConfig(model_dir=model_dir, uds_path="unused", rank=group.rank if group else 0,
                       world_size=group.world_size if group else 1, block_size=4, kv_cache_memory=1 << 20,
@@ -215,28 +214,16 @@ def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0, d
     runner = ModelRunner.from_shard_config(cfg, group)
     warm = runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_input_tokens=32, max_total_tokens=64,
                                           max_batch_size=8))  # fmt: skip
-    router = FakeRouter(warm.num_blocks)
+    router = FakeRouter.for_runner(runner)
     sample = dict(temperature=0.9, top_k=20, do_sample=True)
-    reqs = [
-        router.request(1, [5, 17, 99, 42, 7, 250, 5, 17], 8, ignore_eos=True),
-        router.request(2, [3, 4, 5], 8, ignore_eos=True, params=pb.NextTokenChooserParameters(**sample)),
-        router.request(3, [9, 8, 7, 6, 5, 4, 3], 8, ignore_eos=True, top_n=3, prefill_logprobs=True,
-                       params=pb.NextTokenChooserParameters(**sample, seed=1234, has_seed=True)),
-    ]  # fmt: skip
-    batch = runner.new_batch(pb.Batch(id=1, requests=reqs))
-    out: dict = {}
-    result = runner.prefill(batch)
-    collect(result.generations, out)
-    prompt = {g.request_id: [None if math.isnan(x) else x for x in g.prefill_tokens.logprobs]  # NaN != NaN
-              for g in result.generations if g.prefill_tokens.ids}  # fmt: skip
-    while batch.requests:
-        slots = []
-        for r in batch.requests:  # speculate + 1 slots from the last sampled token on
-            pos = r.seq_len - 1
-            router._grow(r.id, pos + speculate + 1)
-            slots.append(pb.RequestSlots(request_id=r.id, block_table=router.tables[r.id],
-                                         slots=[router.slot(r.id, p) for p in range(pos, pos + speculate + 1)]))
-        collect(runner.decode(batch, slots).generations, out)
+    router.add(1, [5, 17, 99, 42, 7, 250, 5, 17], 8, ignore_eos=True)
+    router.add(2, [3, 4, 5], 8, ignore_eos=True, params=pb.NextTokenChooserParameters(**sample))
+    router.add(3, [9, 8, 7, 6, 5, 4, 3], 8, ignore_eos=True, top_n=3, prefill_logprobs=True,
+               params=pb.NextTokenChooserParameters(**sample, seed=1234, has_seed=True))  # fmt: skip
+    outs = router.run()  # decode entries leave room for `speculate` proposals
+    out = {rid: {"ids": o.ids, "logprobs": o.logprobs, "top": o.top, "finish": o.finish} for rid, o in outs.items()}
+    prompt = {rid: [None if math.isnan(x) else x for x in o.prefill.logprobs]  # NaN != NaN
+              for rid, o in outs.items() if o.prefill is not None}  # fmt: skip
     return {"num_blocks": warm.num_blocks, "pool_heads": runner.pool.storage.shape[-2], "out": out, "prompt": prompt,
             "params": sum(p.numel() for p in runner.model.parameters())}
 

@@ -266,18 +266,18 @@ def test_eos_ids_from_generation_config_and_ignore_eos(tmp_path):
     import json
 
     from conftest import build_model_dir
-    from test_speculative import Driver, make_runner
+    from test_speculative import generate, make_runner
 
     model_dir = build_model_dir(str(tmp_path), "llama_gqa")
-    ref = Driver(make_runner(model_dir)).run([[5, 6, 7]], 8)[0]["ids"]
+    ref = generate(make_runner(model_dir), [[5, 6, 7]], 8)[0].ids
     eos = next(t for t in ref[2:] if t not in ref[:2])  # first occurrence at some index >= 2
     gen = json.loads((tmp_path / "generation_config.json").read_text())
     gen["eos_token_id"] = [gen["eos_token_id"], eos]  # config.json keeps the single id 2
     (tmp_path / "generation_config.json").write_text(json.dumps(gen))
-    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 8, ignore_eos=False)[0]
-    assert out["ids"] == ref[: ref.index(eos) + 1] and out["finish"] == pb.FINISH_REASON_EOS_TOKEN
-    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 8, ignore_eos=True)[0]
-    assert out["ids"] == ref and out["finish"] == pb.FINISH_REASON_LENGTH
+    out = generate(make_runner(model_dir), [[5, 6, 7]], 8, ignore_eos=False)[0]
+    assert out.ids == ref[: ref.index(eos) + 1] and out.finish == pb.FINISH_REASON_EOS_TOKEN
+    out = generate(make_runner(model_dir), [[5, 6, 7]], 8, ignore_eos=True)[0]
+    assert out.ids == ref and out.finish == pb.FINISH_REASON_LENGTH
 
 
 def test_logit_bias_shifts_logits_per_row_and_forces_a_token():
@@ -332,20 +332,20 @@ def test_logit_bias_from_proto():
 
 def test_stop_token_ids_and_min_new_tokens_on_the_shard(tmp_path):
     from conftest import build_model_dir
-    from test_speculative import Driver, make_runner
+    from test_speculative import generate, make_runner
 
     model_dir = build_model_dir(str(tmp_path), "llama_gqa")
-    ref = Driver(make_runner(model_dir)).run([[5, 6, 7]], 10)[0]["ids"]
+    ref = generate(make_runner(model_dir), [[5, 6, 7]], 10)[0].ids
     stop = next(t for t in ref[2:] if t not in ref[:2])  # first occurrence at some index >= 2
     at = ref.index(stop)
-    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 10, stop_token_ids=[stop])[0]
-    assert out["ids"] == ref[: at + 1] and out["finish"] == pb.FINISH_REASON_STOP_SEQUENCE
+    out = generate(make_runner(model_dir), [[5, 6, 7]], 10, stop_token_ids=[stop])[0]
+    assert out.ids == ref[: at + 1] and out.finish == pb.FINISH_REASON_STOP_SEQUENCE
     # Before min_new_tokens the stop token (and EOS) is never drawn; afterwards it stops again.
-    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 10, stop_token_ids=[stop], min_new_tokens=at + 2)[0]
-    assert stop not in out["ids"][: at + 2] and out["ids"][:at] == ref[:at]
-    assert out["finish"] in (pb.FINISH_REASON_STOP_SEQUENCE, pb.FINISH_REASON_LENGTH)
-    assert len(out["ids"]) >= at + 2
+    out = generate(make_runner(model_dir), [[5, 6, 7]], 10, stop_token_ids=[stop], min_new_tokens=at + 2)[0]
+    assert stop not in out.ids[: at + 2] and out.ids[:at] == ref[:at]
+    assert out.finish in (pb.FINISH_REASON_STOP_SEQUENCE, pb.FINISH_REASON_LENGTH)
+    assert len(out.ids) >= at + 2
     # ignore_eos=False with EOS banned until 10 tokens: exactly 10 come out, none of them EOS.
     eos = make_runner(model_dir).eos_ids
-    out = Driver(make_runner(model_dir)).run([[5, 6, 7]], 10, ignore_eos=False, min_new_tokens=10)[0]
-    assert len(out["ids"]) == 10 and not eos & set(out["ids"])
+    out = generate(make_runner(model_dir), [[5, 6, 7]], 10, ignore_eos=False, min_new_tokens=10)[0]
+    assert len(out.ids) == 10 and not eos & set(out.ids)

@@ -1,9 +1,9 @@
 """Speculative decoding: n-gram proposer, exact verification, greedy identity, distribution.
 
-`Driver` plays the router against an in-process ModelRunner: it hands out
-shuffled block ids, sends speculate + 1 slots per request in each decode and
-advances each sequence by the number of tokens returned (the router's
-implicit rollback of rejected slots).
+`generate` plays the router (shard/harness.py FakeRouter) against an
+in-process ModelRunner: room for speculate proposals per decode entry, each
+sequence advanced by the number of tokens returned (the router's implicit
+rollback of rejected slots).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from pagemill.models.loader import load_model
 from pagemill.proto import pb
 from pagemill.sampling import Sampler, SamplingParams
 from pagemill.shard.engine import ModelRunner
+from pagemill.shard.harness import FakeRouter, Output
 from pagemill.speculative.draft import DraftProposer
 from pagemill.speculative.ngram import propose_ngram
 from pagemill.speculative.verify import verify
@@ -46,62 +47,10 @@ def make_runner(model_dir: str, speculate: int = 0, draft_dir: str | None = None
     return runner
 
 
-class Driver:
-    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
-        self.runner = runner
-        self.free = list(range(1, runner.pool.num_blocks))
-        random.Random(seed).shuffle(self.free)
-        self.tables: dict[int, list[int]] = {}
-        self.fed: dict[int, int] = {}
-
-    def _grow(self, rid: int, length: int) -> list[int]:
-        table = self.tables.setdefault(rid, [])
-        while len(table) * BLOCK < length:
-            table.append(self.free.pop())
-        return table
-
-    def _slots(self, rid: int, start: int, end: int) -> list[int]:
-        table = self._grow(rid, end)
-        return [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, end)]
-
-    def run(self, prompts, max_new: int, params=None, grammars=None, top_n: int = 0, ignore_eos: bool = True,
-            **stopping):
-        """Generates for every prompt in one batch; returns {rid: {ids, logprobs, top, finish, error}}.
-        stopping: further StoppingCriteriaParameters fields (min_new_tokens, stop_token_ids)."""
-        params = params or [pb.NextTokenChooserParameters()] * len(prompts)
-        grammars = grammars or [None] * len(prompts)
-        requests = []
-        for rid, (prompt, p, g) in enumerate(zip(prompts, params, grammars)):
-            requests.append(pb.Request(
-                id=rid, input_ids=prompt, block_table=self._grow(rid, len(prompt)),
-                slots=self._slots(rid, 0, len(prompt)), parameters=p, top_n_tokens=top_n, grammar=g,
-                stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new, ignore_eos_token=ignore_eos,
-                                                                  **stopping),
-            ))  # fmt: skip
-            self.fed[rid] = len(prompt)
-        out = {rid: {"ids": [], "logprobs": [], "top": [], "finish": 0, "error": ""} for rid in range(len(prompts))}
-        batch = self.runner.new_batch(pb.Batch(id=0, requests=requests))
-        gens = self.runner.prefill(batch).generations
-        k = self.runner.speculate
-        while True:
-            for g in gens:
-                o = out[g.request_id]
-                o["ids"] += list(g.tokens.ids)
-                o["logprobs"] += list(g.tokens.logprobs)
-                o["top"] += [list(t.ids) for t in g.top_tokens]
-                o["finish"], o["error"] = g.finish_reason, g.error
-            if not batch.requests:
-                return out
-            slots = [pb.RequestSlots(request_id=r.id, block_table=self._grow(r.id, self.fed[r.id] + k + 1),
-                                     slots=self._slots(r.id, self.fed[r.id], self.fed[r.id] + k + 1))
-                     for r in batch.requests]  # fmt: skip
-            gens = self.runner.decode(batch, slots).generations
-            for g in gens:
-                self.fed[g.request_id] += len(g.tokens.ids)
-
-
-def generate(runner, prompts, max_new, **kw):
-    return Driver(runner).run(prompts, max_new, **kw)
+def generate(runner: ModelRunner, prompts, max_new: int, *, ignore_eos: bool = True, **kw) -> dict[int, Output]:
+    """Every prompt in one FakeRouter run: first step all prompts, then decode steps with
+    speculate proposal slots each; returns {rid: Output}. kw: FakeRouter.add's."""
+    return FakeRouter.for_runner(runner).generate(prompts, max_new, ignore_eos=ignore_eos, **kw)
 
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():
@@ -199,20 +148,21 @@ def test_greedy_speculation_is_token_identical(models, baseline, method):
     draft_dir = {"ngram": None, "draft_same": target, "draft_other": other}[method]
     runner = make_runner(target, speculate=4, draft_dir=draft_dir)
     per_gen = []  # tokens per decode Generation
-    orig = runner.decode
+    orig = runner.step
 
-    def decode(b, s):
-        result = orig(b, s)
-        per_gen.extend(len(g.tokens.ids) for g in result.generations)
+    def step(req):
+        result = orig(req)
+        if not any(e.HasField("new_request") for e in req.requests):
+            per_gen.extend(len(g.tokens.ids) for g in result.generations)
         return result
 
-    runner.decode = decode
+    runner.step = step
     out = generate(runner, prompts, 20, top_n=2)
     for rid in ref:
-        assert out[rid]["ids"] == ref[rid]["ids"], f"request {rid}"
-        assert out[rid]["finish"] == ref[rid]["finish"] == pb.FINISH_REASON_LENGTH
-        assert out[rid]["top"] == ref[rid]["top"]
-        torch.testing.assert_close(out[rid]["logprobs"], ref[rid]["logprobs"], atol=1e-4, rtol=1e-4)
+        assert out[rid].ids == ref[rid].ids, f"request {rid}"
+        assert out[rid].finish == ref[rid].finish == pb.FINISH_REASON_LENGTH
+        assert out[rid].top == ref[rid].top
+        torch.testing.assert_close(out[rid].logprobs, ref[rid].logprobs, atol=1e-4, rtol=1e-4)
     # Speculation really accepted tokens (1 per step without it); the same model as draft takes all 4.
     mean = sum(per_gen) / len(per_gen)
     print(f"{method}: {mean:.2f} tokens per request-step")
@@ -225,13 +175,13 @@ def test_eos_and_max_new_tokens_inside_an_accepted_run(models, baseline):
     prompts, ref = baseline
     runner = make_runner(target, speculate=4, draft_dir=target)
     rid = 0
-    eos = ref[rid]["ids"][7]
-    first = ref[rid]["ids"].index(eos)
+    eos = ref[rid].ids[7]
+    first = ref[rid].ids.index(eos)
     runner.eos_ids = frozenset([eos])
-    out = Driver(runner).run([prompts[rid]], 20, ignore_eos=False)[0]
-    assert out["ids"] == ref[rid]["ids"][: first + 1] and out["finish"] == pb.FINISH_REASON_EOS_TOKEN
-    out = Driver(make_runner(target, speculate=4, draft_dir=target)).run([prompts[rid]], 6)[0]
-    assert out["ids"] == ref[rid]["ids"][:6] and out["finish"] == pb.FINISH_REASON_LENGTH
+    out = generate(runner, [prompts[rid]], 20, ignore_eos=False)[0]
+    assert out.ids == ref[rid].ids[: first + 1] and out.finish == pb.FINISH_REASON_EOS_TOKEN
+    out = generate(make_runner(target, speculate=4, draft_dir=target), [prompts[rid]], 6)[0]
+    assert out.ids == ref[rid].ids[:6] and out.finish == pb.FINISH_REASON_LENGTH
 
 
 def test_penalised_and_sampled_requests_in_a_speculative_batch(models, baseline):
@@ -245,9 +195,9 @@ def test_penalised_and_sampled_requests_in_a_speculative_batch(models, baseline)
     plain = generate(make_runner(target), prompts, 12, params=params)
     spec = generate(make_runner(target, speculate=3, draft_dir=other), prompts, 12, params=params)
     for rid in (0, 2, 3, 5):  # penalties, greedy
-        assert spec[rid]["ids"] == plain[rid]["ids"]
+        assert spec[rid].ids == plain[rid].ids
     alone = generate(make_runner(target, speculate=3, draft_dir=other, seed=5), [prompts[1]], 12, params=[seeded])
-    assert alone[0]["ids"] == spec[1]["ids"]
+    assert alone[0].ids == spec[1].ids
 
 
 def tiny_vocab_model(path: str, seed: int, vocab: int = 12, scale: float = 0.4) -> str:
@@ -276,8 +226,8 @@ def test_speculative_sampling_matches_the_target_distribution(tmp_path, method):
     draft = tiny_vocab_model(str(tmp_path / "draft"), seed=1) if method == "draft" else None
     runner = make_runner(target, speculate=3, draft_dir=draft, blocks=4 * n + 8, seed=123)
     params = pb.NextTokenChooserParameters(do_sample=True, temperature=1.0)
-    out = Driver(runner).run([prompt] * n, 4, params=[params] * n)
-    samples = torch.tensor([out[i]["ids"] for i in range(n)])  # [n, 4]
+    out = generate(runner, [prompt] * n, 4, params=[params] * n)
+    samples = torch.tensor([out[i].ids for i in range(n)])  # [n, 4]
 
     hf = load_hf(target)
     grid = torch.cartesian_prod(*[torch.arange(vocab)] * 3)  # every (t1, t2, t3)

@@ -1,9 +1,8 @@
 """Drives a ModelRunner directly, the way the router would, without HTTP or gRPC.
 
-The driver plays the router's part: it hands out block ids from a free list,
-computes slots (block * block_size + offset) and grows a sequence's table by
-one block when it crosses a block boundary. Requests run with ignore_eos so
-every step has the batch size asked for.
+The block arithmetic is shard/harness.py's FakeRouter; this adds timing and
+a batch handle (the request ids of one prefill). Requests run with
+ignore_eos so every step has the batch size asked for.
 """
 
 from __future__ import annotations
@@ -14,13 +13,13 @@ from dataclasses import dataclass
 import torch
 
 from pagemill.proto import pb
-from pagemill.shard.batch import ShardBatch
-from pagemill.shard.engine import ModelRunner, StepResult
+from pagemill.shard.engine import ModelRunner
+from pagemill.shard.harness import FakeRouter
 
 
 @dataclass
 class Step:
-    wall_ns: int  # runner.prefill/decode call, Python bookkeeping included
+    wall_ns: int  # runner.step call, Python bookkeeping included
     forward_ns: int  # what the shard reports (model forward + sampling)
     tokens: int  # tokens computed (prefill) or generated (decode)
 
@@ -29,64 +28,40 @@ class ShardDriver:
     def __init__(self, runner: ModelRunner) -> None:
         if runner.pool is None:
             raise ValueError("warm the runner up first")
-        self.runner = runner
-        self.bs = runner.block_size
-        self.free = list(range(runner.pool.num_blocks - 1, 0, -1))  # block 0 is scratch
-        self.tables: dict[int, list[int]] = {}
-        self.lens: dict[int, int] = {}  # tokens of each request: prompt + generated
+        self.router = FakeRouter.for_runner(runner)
         self.next_id = 0
 
-    def _slots(self, rid: int, start: int, end: int) -> list[int]:
-        table = self.tables.setdefault(rid, [])
-        while len(table) * self.bs < end:
-            if not self.free:
-                raise RuntimeError("KV pool exhausted: lower batch size or lengths, or raise kv memory")
-            table.append(self.free.pop())
-        return [table[p // self.bs] * self.bs + p % self.bs for p in range(start, end)]
+    @property
+    def lens(self) -> dict[int, int]:
+        """Tokens of each unfinished request: prompt + generated."""
+        return {rid: len(t.tokens) for rid, t in self.router.requests.items()}
 
-    def prefill(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[ShardBatch, Step]:
-        requests = []
-        for ids in prompts:
-            rid, self.next_id = self.next_id, self.next_id + 1
-            slots = self._slots(rid, 0, len(ids))
-            self.lens[rid] = len(ids)
-            requests.append(
-                pb.Request(
-                    id=rid, input_ids=ids, block_table=self.tables[rid], slots=slots,
-                    parameters=pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0,
-                                                             repetition_penalty=1.0),
-                    stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=max_new_tokens,
-                                                                      ignore_eos_token=True),
-                )
-            )  # fmt: skip
-        batch = self.runner.new_batch(pb.Batch(id=self.next_id, requests=requests))
+    def prefill(self, prompts: list[list[int]], max_new_tokens: int) -> tuple[list[int], Step]:
+        """One step computing every prompt; returns the batch (its request ids) and the step."""
+        batch = list(range(self.next_id, self.next_id + len(prompts)))
+        self.next_id += len(prompts)
+        params = pb.NextTokenChooserParameters(temperature=1.0, top_p=1.0, typical_p=1.0, repetition_penalty=1.0)
+        for rid, ids in zip(batch, prompts):
+            self.router.add(rid, ids, max_new_tokens, params=params, ignore_eos=True)
+        return batch, self._step(batch, sum(len(p) for p in prompts))
+
+    def decode(self, batch: list[int]) -> Step:
+        """One decode step of the batch's unfinished requests."""
+        alive = [rid for rid in batch if rid in self.router.requests]
+        return self._step(alive, len(alive))
+
+    def _step(self, rids: list[int], tokens: int) -> Step:
+        try:
+            req = self.router.plan(rids)
+        except IndexError:  # the free list ran dry
+            raise RuntimeError("KV pool exhausted: lower batch size or lengths, or raise kv memory") from None
         start = time.perf_counter_ns()
-        result = self.runner.prefill(batch)
-        step = Step(time.perf_counter_ns() - start, result.forward_ns, sum(len(p) for p in prompts))
-        self._account(result)
-        return batch, step
-
-    def decode(self, batch: ShardBatch) -> Step:
-        slots = []
-        for r in batch.requests:
-            rid, pos = r.id, self.lens[r.id] - 1  # the newest token, fed this step
-            slots.append(pb.RequestSlots(request_id=rid, slots=self._slots(rid, pos, pos + 1),
-                                         block_table=self.tables[rid]))  # fmt: skip
-        start = time.perf_counter_ns()
-        result = self.runner.decode(batch, slots)
-        step = Step(time.perf_counter_ns() - start, result.forward_ns, len(result.generations))
-        self._account(result)
-        return step
-
-    def _account(self, result: StepResult) -> None:
-        for g in result.generations:
-            self.lens[g.request_id] += 1
-            if g.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
-                self.release(g.request_id)
+        resp = self.router.send(req)
+        return Step(time.perf_counter_ns() - start, resp.forward_ns, tokens)
 
     def release(self, rid: int) -> None:
-        self.free.extend(self.tables.pop(rid, []))
-        self.lens.pop(rid, None)
+        if rid in self.router.requests:
+            self.router.abort(rid)
 
 
 def warm_runner(runner: ModelRunner, *, max_batch_size: int, max_prefill_tokens: int, max_input: int) -> None:

@@ -3,8 +3,8 @@
 For each batch size B: one prefill of B prompts of input_len tokens, then
 `steps` decode steps of the whole batch. Reported per B: prefill latency and
 tokens/s, decode step latency (median over steps) and tokens/s, and the
-shard's own Python bookkeeping per decode step (runner.decode wall time
-minus the forward_ns it reports: slot checks, input tensors, Generation
+shard's own Python bookkeeping per decode step (runner.step wall time
+minus the forward_ns it reports: request checks, input tensors, Generation
 messages), which is part of what the router sees as step time. Given the
 machine measured in the same run (bench/roofline.py), each decode step is
 also shown against its floor at that batch and mean context, with the term
@@ -53,8 +53,8 @@ def run_sweep(runner: ModelRunner, batch_sizes: list[int], input_len: int, steps
                 s = driver.decode(batch)
                 fwd.append(s.forward_ns / 1e6)
                 wall.append(s.wall_ns / 1e6)
-            for r in list(batch.requests):
-                driver.release(r.id)
+            for rid in batch:
+                driver.release(rid)
         pre, dec, dwall = statistics.median(prefills), statistics.median(fwd), statistics.median(wall)
         # The floor in the shard's own dtype (`--dtype auto` may have picked bf16: half the bytes).
         floor = None if machine is None else decode_floor(runner.config, machine, b, input_len + (steps + 1) // 2,

@@ -2,9 +2,9 @@
 
 Every rank of a group runs the same forward on the same inputs and meets the
 others at the same collectives, in the same order. That order is guaranteed
-by the router: its scheduler is one task that awaits each Warmup / Prefill /
-Decode fan-out before sending the next, and each shard serialises model calls
-behind one lock. Health/Info/Filter/Clear never communicate.
+by the router: its scheduler is one task that awaits each Warmup / Step
+fan-out before sending the next, and each shard serialises model calls
+behind one lock. Health/Info never communicate.
 
 A ParallelGroup of world_size 1 performs no communication at all, so the
 unsharded model keeps its exact single-process arithmetic.

@@ -1,24 +1,17 @@
-"""ModelRunner: model + KV pool + attention backend + sampler, one step at a time.
+"""ModelRunner: model + KV pool + attention backend + sampler, one Step at a time.
 
-The runner computes and reports; the service owns the cached batches. A
-request finishes here on EOS (unless ignore_eos_token; a constrained request
-always ends on the EOS its finished grammar forces) or when it has generated
-max_new_tokens; EOS wins when both hold. A request that alone cannot go on
-(its grammar does not compile) is computed with the others, then answered
-with Generation.error and dropped. Finished requests are removed from the
-batch the runner was given.
-
-With speculate = K > 0 each decode step proposes up to K tokens per request
-(n-gram lookup or a draft model), verifies them in one target forward and
-returns the accepted ones plus one (speculative/verify.py). Requests with
-penalties, a grammar or EOS still banned (min_new_tokens) get no proposals:
-their next-token distribution depends on the tokens before it in ways the
-batched verifier does not model.
+The runner holds every request's state between steps (shard/requests.py),
+keyed by the router's ids, and computes what each Step schedules in one
+forward. A request finishes here on EOS (unless ignore_eos_token; a
+constrained request always ends on the EOS its finished grammar forces), a
+stop token or when it has generated max_new_tokens; EOS wins when both hold.
+A request that alone cannot go on (its grammar does not compile) is computed
+with the others, then answered with Generation.error and dropped; so are
+finished requests. Speculative steps: shard/speculation.py.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import os
@@ -41,15 +34,16 @@ from pagemill.parallel.group import ParallelGroup
 from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMasker
 from pagemill.proto import pb
 from pagemill.sampling.sampler import Sampler
-from pagemill.shard.batch import RequestState, ShardBatch
 from pagemill.shard.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagemill.shard.errors import ShardError
 from pagemill.shard.generations import Emitted, advance
+from pagemill.shard.prompt_logprobs import prompt_logprobs
+from pagemill.shard.requests import Entry, Limits, RequestState, apply_step, check_step
+from pagemill.shard.speculation import num_proposals, propose, verify_step
+from pagemill.shard.step_inputs import build_inputs, is_decode_step
 from pagemill.shard.kv_pool import KVPool
 from pagemill.shard.warmup import allocate_pools, cuda_budget, dummy_steps
 from pagemill.speculative.draft import DraftProposer
-from pagemill.speculative.ngram import propose_ngram
-from pagemill.speculative.verify import verify
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +84,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed=self.group.shared_seed())
         self.eos_ids = frozenset(config.eos_token_ids)
         self.pool: KVPool | None = None
+        self.requests: dict[int, RequestState] = {}  # what the shard holds per request id, between steps
         self.kv_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)  # the pool's storage dtype
         check_kv_dtype(self.kv_dtype, model.backend.name, self.device)
         # Decode graphs only on CUDA and without speculation (verification is a varlen prefill).
@@ -176,7 +171,8 @@ class ModelRunner:
             raise ShardError(
                 grpc.StatusCode.INVALID_ARGUMENT, "max_batch_prefill_tokens and max_input_tokens must be > 0"
             )
-        self.pool = None  # a second warmup replaces the pool (the service drops cached batches)
+        self.pool = None  # a second warmup replaces the pool
+        self.requests.clear()  # their KV lived in the pool being replaced
         self.cuda_graphs = None  # graphs bake in the old pool's address
         start = time.perf_counter_ns()
         try:
@@ -205,107 +201,84 @@ class ModelRunner:
 
     # --- steps -----------------------------------------------------------------------
 
-    def new_batch(self, batch) -> ShardBatch:
+    def step(self, req) -> StepResult:
+        """One StepRequest: check it all (a rejected call changes nothing), drop what the
+        router ended, compute every consistent entry in one forward, sample where a range
+        reaches the end of the known tokens. One Generation per entry, in order."""
         pool = self._require_pool()
-        out = ShardBatch.from_pb(
-            batch, block_size=self.block_size, num_blocks=pool.num_blocks, vocab_size=self.config.vocab_size,
-            device=self.device,
-        )  # fmt: skip
-        for r, req in zip(out.requests, batch.requests):
-            if req.HasField("grammar"):
-                try:
-                    r.grammar = self.grammars.compile(req.grammar)
-                except GrammarError as e:
-                    r.error = str(e)  # the request is still computed (forks may read its KV), then dropped
-                    continue
-                if r.grammar is not None:  # after a preemption: replay what was generated before
-                    r.error = r.grammar.consume(r.token_ids[r.prompt_len :])
-        return out
-
-    def prefill(self, batch: ShardBatch) -> StepResult:
-        self._require_pool()
-        inputs = batch.prefill_inputs(self.device)
+        lim = Limits(self.block_size, pool.num_blocks, self.config.vocab_size, self.device)
+        entries = check_step(req, self.requests, lim)
+        for e, s in zip(entries, req.requests):
+            if e.fresh:
+                self._compile_grammar(e.state, s.new_request)
+        apply_step(req, entries, self.requests)
         start = time.perf_counter_ns()
-        with self._guard():
-            masks = self._start_masks(batch.requests)
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
-            if self.draft is not None:
-                self.draft.forward(inputs.input_ids, inputs.positions, inputs.meta)
-            out = self.sampler(self.model.compute_logits(hidden[inputs.last_rows]), batch.requests, self._wait(masks),
-                               self.banned_tokens(batch.requests))
-            prompt_lps = self._prompt_logprobs(batch, hidden)
-        emitted = [Emitted([t], [lp], [(i, l)]) for t, lp, i, l in
-                   zip(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]  # fmt: skip
-        if self.draft is not None:
-            for r in batch.requests:
-                r.draft_len = r.seq_len
-        return StepResult(advance(batch, emitted, prompt_lps, self.eos_ids), time.perf_counter_ns() - start)
+        live = [e for e in entries if e.state is not None]
+        emitted, prompt_lps = {}, {}
+        if live:
+            with self._guard():
+                emitted, prompt_lps = self._compute(live)
+        generations = []
+        for e in entries:
+            gen, keep = advance(e, emitted.get(e.id), prompt_lps.get(e.id), self.eos_ids)
+            if not keep:
+                self.requests.pop(e.id, None)
+            generations.append(gen)
+        return StepResult(generations, time.perf_counter_ns() - start)
 
-    def decode(self, batch: ShardBatch, slots: Sequence) -> StepResult:
-        pool = self._require_pool()
-        slots = batch.assign_decode_slots(
-            slots, block_size=self.block_size, num_blocks=pool.num_blocks, speculate=self.speculate
-        )
-        start = time.perf_counter_ns()
-        with self._guard():
-            ks = [self._num_proposals(r) for r in batch.requests]
-            proposals, draft_q = self._propose(batch.requests, ks)
+    def _compile_grammar(self, r: RequestState, new) -> None:
+        if not new.HasField("grammar"):
+            return
+        try:
+            r.grammar = self.grammars.compile(new.grammar)
+        except GrammarError as e:
+            r.error = str(e)  # the request is still computed (forks may read its KV), then dropped
+            return
+        if r.grammar is not None:  # after a preemption: replay what was generated before
+            r.error = r.grammar.consume(r.token_ids[r.prompt_len :])
+
+    def _compute(self, live: list[Entry]) -> tuple[dict[int, Emitted], dict[int, list[float]]]:
+        """Emitted tokens of the sampled entries and prompt logprobs, by request id."""
+        # Proposals only in steps of decode entries alone: a prompt chunk makes it a varlen
+        # forward anyway, and keeping verification to one shape keeps it simple.
+        all_decode = all(e.is_decode for e in live)
+        ks = [min(e.max_proposals, num_proposals(self, e.state)) if all_decode else 0 for e in live]
+        if any(ks):
+            proposals, draft_q = propose(self, [e.state for e in live], ks)
+            for e, p in zip(live, proposals):
+                e.proposals = p
             if any(proposals):
-                emitted = self._verify(batch, proposals, draft_q, slots)
-            else:
-                emitted = self._plain_decode(batch, [s[0] for s in slots])
-        if self.draft is not None:
-            for r, k, e in zip(batch.requests, ks, emitted):
-                if k > 0:  # the draft fed seq_len - 1 .. seq_len - 2 + k; the first len(e) of them stand
-                    r.draft_len = r.seq_len - 1 + min(k, len(e.ids))
-        return StepResult(advance(batch, emitted, {}, self.eos_ids), time.perf_counter_ns() - start)
-
-    def _plain_decode(self, batch: ShardBatch, slots: list[int]) -> list[Emitted]:
-        inputs = batch.decode_inputs(slots, self.device)
-        masks = self._start_masks(batch.requests)
-        logits = self.cuda_graphs.logits_for(inputs) if self.cuda_graphs is not None else None
-        if logits is None:  # no graphs (CPU, --no-cuda-graphs) or wider than the largest graph
+                tokens = verify_step(self, live, draft_q)
+                if self.draft is not None:
+                    for e, k, em in zip(live, ks, tokens):
+                        if k > 0:  # the draft fed start .. start + k - 1; the first len(em) of them stand
+                            e.state.draft_len = e.start + min(k, len(em.ids))
+                return {e.id: em for e, em in zip(live, tokens)}, prompt_logprobs(self.model, live, None)
+        inputs = build_inputs(live, self.block_size, self.device)
+        sampled = [i for i, e in enumerate(live) if e.sampled]
+        reqs = [live[i].state for i in sampled]
+        masks = self._start_masks(reqs)
+        hidden = None
+        if is_decode_step(live):
+            logits = self.cuda_graphs.logits_for(inputs) if self.cuda_graphs is not None else None
+            if logits is None:  # no graphs (CPU, --no-cuda-graphs) or wider than the largest graph
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
+                logits = self.model.compute_logits(hidden)
+            logits = logits[sampled] if len(sampled) < len(live) else logits
+        else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
-            logits = self.model.compute_logits(hidden)
-        out = self.sampler(logits, batch.requests, self._wait(masks), self.banned_tokens(batch.requests))
-        return [Emitted([t], [lp], [(i, l)]) for t, lp, i, l in
-                zip(out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)]  # fmt: skip
-
-    def _num_proposals(self, r: RequestState) -> int:
-        """K where exactness is cheap; the bonus token always comes on top, so at most
-        max_new_tokens - generated - 1 proposals can ever be used."""
-        if (self.speculate == 0 or r.params.has_penalties or r.grammar is not None or r.error is not None
-                or r.generated < r.min_new_tokens):
-            return 0
-        return max(0, min(self.speculate, r.max_new_tokens - r.generated - 1))
-
-    def _propose(self, requests: Sequence[RequestState], ks: list[int]):
-        if not any(ks):
-            return [[] for _ in requests], None
-        if self.draft is not None:
-            return self.draft.propose(self.sampler, requests, ks)
-        return [propose_ngram(r.token_ids, k) for r, k in zip(requests, ks)], None
-
-    def _verify(self, batch: ShardBatch, proposals, draft_q, slots) -> list[Emitted]:
-        reqs = batch.requests
-        inputs = batch.verify_inputs(proposals, slots, self.device)
-        counts = [1 + len(p) for p in proposals]
-        rows = [r for r, c in zip(reqs, counts) for _ in range(c)]  # one row per fed position
-        offsets = [0, *itertools.accumulate(counts)][:-1]
-        # Requests with a grammar have no proposals: one row each, at their offset.
-        masks = self._start_masks(reqs, offsets)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
-        shaped = self.sampler.shape(self.model.compute_logits(hidden), rows, self._wait(masks),
-                                    self.banned_tokens(reqs, offsets))
-        tokens = verify(self.sampler, self.sampler.target_probs(shaped, rows), counts, proposals, reqs, draft_q)
-        # Each row's chosen token, for its logprob (rows past a rejection report a dummy 0).
-        ids = [t for toks, c in zip(tokens, counts) for t in toks + [0] * (c - len(toks))]
-        out = self.sampler.report(torch.tensor(ids, device=self.device), shaped, rows)
-        return [
-            Emitted(toks, out.logprobs[off : off + len(toks)],
-                    list(zip(out.top_ids[off : off + len(toks)], out.top_logprobs[off : off + len(toks)])))
-            for off, toks in zip(offsets, tokens)
-        ]  # fmt: skip
+            if self.draft is not None:  # keeps the draft pool a mirror of every computed prompt token
+                self.draft.forward(inputs.input_ids, inputs.positions, inputs.meta)
+                for e in live:
+                    e.state.draft_len = e.end
+            logits = self.model.compute_logits(hidden[inputs.last_rows[sampled]])
+        if not sampled:
+            self._wait(masks)
+            return {}, {}
+        out = self.sampler(logits, reqs, self._wait(masks), self.banned_tokens(reqs))
+        emitted = {live[i].id: Emitted([t], [lp], [(ti, tl)]) for i, t, lp, ti, tl in
+                   zip(sampled, out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)}  # fmt: skip
+        return emitted, prompt_logprobs(self.model, live, hidden)
 
     def banned_tokens(self, requests: Sequence[RequestState], rows: Sequence[int] | None = None) -> dict:
         """Row -> tokens it may not draw: EOS and the stop tokens while a request has
@@ -332,7 +305,7 @@ class ModelRunner:
 
     def _require_pool(self) -> KVPool:
         if self.pool is None:
-            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "Warmup must be called before Prefill/Decode")
+            raise ShardError(grpc.StatusCode.FAILED_PRECONDITION, "Warmup must be called before Step")
         return self.pool
 
     def _on_device(self):
@@ -353,21 +326,3 @@ class ModelRunner:
             self.broken = f"{type(e).__name__}: {e}"
             log.exception("forward failed")
             raise
-
-    def _prompt_logprobs(self, batch: ShardBatch, hidden: torch.Tensor) -> dict[int, list[float]]:
-        """Raw-logit log_softmax of each prompt token given its prefix (TGI's
-        decoder_input_details). NaN for the first token and for tokens whose
-        predecessor was cached (its logits were not computed this step)."""
-        result: dict[int, list[float]] = {}
-        row = 0
-        for r in batch.requests:
-            n_new = r.seq_len - r.cache_len
-            if r.prefill_logprobs:
-                lps = [math.nan] * (r.cache_len + 1)
-                if n_new > 1:
-                    logits = self.model.compute_logits(hidden[row : row + n_new - 1])
-                    targets = torch.tensor(r.token_ids[r.cache_len + 1 :], device=logits.device)
-                    lps += logits.log_softmax(-1).gather(1, targets[:, None]).squeeze(1).tolist()
-                result[r.id] = lps
-            row += n_new
-        return result

@@ -1,4 +1,4 @@
-"""What one step produced per request, and turning it into pb.Generations.
+"""What one step produced per request, and turning it into a pb.Generation.
 
 A request finishes on EOS (unless ignore_eos_token; a constrained request
 always ends on the EOS its finished grammar forces), on one of its
@@ -14,55 +14,50 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pagemill.proto import pb
-from pagemill.shard.batch import RequestState, ShardBatch
+from pagemill.shard.requests import Entry, RequestState
 
 
 @dataclass
-class Emitted:  # what one step produced for one request
+class Emitted:  # what one step sampled for one request
     ids: list[int]
     logprobs: list[float]
     top: list[tuple[list[int], list[float]]]
 
 
-def advance(batch: ShardBatch, emitted: list[Emitted], prompt_lps: dict[int, list[float]], eos_ids) -> list:
-    """Appends each request's tokens up to its first finish, builds its Generation."""
-    generations, alive = [], []
-    for r, e in zip(batch.requests, emitted):
-        if r.error is not None:
-            generations.append(pb.Generation(request_id=r.id, error=r.error))
-            continue
-        prefill_tokens = pb.Tokens(ids=r.token_ids, logprobs=prompt_lps[r.id]) if r.id in prompt_lps else None
-        # Everything fed this step is in the pool: the last token and the accepted proposals.
-        r.cache_len = r.seq_len + len(e.ids) - 1
-        finish, n = pb.FINISH_REASON_UNSPECIFIED, 0
-        for token in e.ids:
-            n += 1
-            r.token_ids.append(token)
-            r.generated += 1
-            if r.grammar is not None and (err := r.grammar.consume([token])) is not None:
-                r.error = err
-                break
-            finish = finish_reason(r, token, eos_ids)
-            if finish != pb.FINISH_REASON_UNSPECIFIED:
-                break  # a finish inside an accepted run truncates it there
-        if r.error is not None:
-            generations.append(pb.Generation(request_id=r.id, error=r.error))
-            continue
-        if r.penalties is not None:
-            r.penalties.add(e.ids[:n])
-        generations.append(
-            pb.Generation(
-                request_id=r.id,
-                prefill_tokens=prefill_tokens,
-                tokens=pb.Tokens(ids=e.ids[:n], logprobs=e.logprobs[:n]),
-                top_tokens=[pb.Tokens(ids=i, logprobs=lp) for i, lp in e.top[:n]] if r.top_n else [],
-                finish_reason=finish,
-            )
-        )
-        if finish == pb.FINISH_REASON_UNSPECIFIED:
-            alive.append(r)
-    batch.requests = alive
-    return generations
+def advance(e: Entry, emitted: Emitted | None, prompt_lps: list[float] | None, eos_ids) -> tuple[object, bool]:
+    """Appends the entry's tokens up to its first finish; returns its Generation and
+    whether the shard keeps the request (False: finished or failed)."""
+    r = e.state
+    if r is None or r.error is not None:
+        return pb.Generation(request_id=e.id, error=e.error if r is None else r.error), False
+    if emitted is None:  # an intermediate prompt chunk: nothing sampled
+        r.computed = e.end
+        return pb.Generation(request_id=e.id), True
+    prefill_tokens = pb.Tokens(ids=r.token_ids, logprobs=prompt_lps) if prompt_lps is not None else None
+    # Everything fed this step is in the pool: the range and the accepted proposals.
+    r.computed = e.end + len(emitted.ids) - 1
+    finish, n = pb.FINISH_REASON_UNSPECIFIED, 0
+    for token in emitted.ids:
+        n += 1
+        r.token_ids.append(token)
+        r.generated += 1
+        if r.grammar is not None and (err := r.grammar.consume([token])) is not None:
+            r.error = err
+            return pb.Generation(request_id=e.id, error=err), False
+        finish = finish_reason(r, token, eos_ids)
+        if finish != pb.FINISH_REASON_UNSPECIFIED:
+            break  # a finish inside an accepted run truncates it there
+    if r.penalties is not None:
+        r.penalties.add(emitted.ids[:n])
+    gen = pb.Generation(
+        request_id=e.id,
+        prefill_tokens=prefill_tokens,
+        tokens=pb.Tokens(ids=emitted.ids[:n], logprobs=emitted.logprobs[:n]),
+        top_tokens=[pb.Tokens(ids=i, logprobs=lp) for i, lp in emitted.top[:n]] if r.top_n else [],
+        finish_reason=finish,
+    )
+    return gen, finish == pb.FINISH_REASON_UNSPECIFIED
+
 
 def finish_reason(r: RequestState, token: int, eos_ids) -> int:
     # A finished grammar only allows EOS, which then ends the request even with ignore_eos.

@@ -19,7 +19,7 @@ from pagemill.shard.service import ShardService, new_model_thread
 
 log = logging.getLogger("pagemill.shard")
 
-# Prefill batches of long prompts and responses with top-n alternatives can
+# Steps with long prompts and responses with top-n alternatives can
 # exceed gRPC's 4 MiB default.
 MAX_MESSAGE_BYTES = 256 << 20
 MAX_UDS_PATH = 107  # sockaddr_un.sun_path is 108 bytes on Linux, NUL included
