@@ -15,88 +15,90 @@ pub const LAUNCHER_SETS: &str = "Set by pagemill launch";
 
 #[derive(Debug, Clone, Parser, serde::Serialize)]
 // allow_negative_numbers: `--port -1` is a bad value of --port, not an unknown flag `-1`.
-#[command(name = "pagemill router", about = "Run the HTTP router (started by pagemill launch)", allow_negative_numbers = true)]
+// args_override_self: the last of a repeated option wins, as in the Python CLI.
+#[command(name = "pagemill router", about = "Run the HTTP router (started by pagemill launch)")]
+#[command(allow_negative_numbers = true, args_override_self = true)]
 pub struct RouterConfig {
-    /// Address the HTTP API listens on
+    /// address the HTTP API listens on
     #[arg(long, default_value = "127.0.0.1")]
     pub hostname: String,
     /// TCP port of the HTTP API
     #[arg(long, default_value_t = 3000)]
     pub port: u16,
-    /// Unix socket of one shard of the tensor-parallel group, once per shard in rank order
+    /// unix socket of one shard of the tensor-parallel group, once per shard in rank order
     #[arg(long = "shard-uds-path", value_name = "PATH", help_heading = LAUNCHER_SETS)]
     pub shard_uds_paths: Vec<PathBuf>,
-    /// Directory holding tokenizer.json (the model directory)
+    /// directory holding tokenizer.json (the model directory)
     // Parsed leniently so that the empty default (RouterConfig::default) parses; check() rejects it.
     #[arg(long, default_value = "", value_parser = any_path, help_heading = LAUNCHER_SETS)]
     pub tokenizer_dir: PathBuf,
-    /// Model name reported by the API
+    /// model name reported by the API
     #[arg(long, default_value = "", help_heading = LAUNCHER_SETS)]
     pub model_id: String,
-    /// Longest prompt of one request, in tokens
+    /// longest prompt of one request, in tokens
     #[arg(long, default_value_t = 1024)]
     pub max_input_tokens: u32,
-    /// Longest prompt + new tokens of one request
+    /// longest prompt + new tokens of one request
     #[arg(long, default_value_t = 2048)]
     pub max_total_tokens: u32,
-    /// Prompt tokens computed in one prefill step
+    /// prompt tokens computed in one prefill step
     #[arg(long, default_value_t = 4096)]
     pub max_batch_prefill_tokens: u32,
-    /// Chunked prefill: at most N prompt tokens per step, long prompts split
+    /// chunked prefill: at most N prompt tokens per step, long prompts split
     /// across steps with decode steps in between (0: off)
     // `::std::option::Option` opts out of clap's Option handling: the parser maps 0 to None.
     #[arg(long, value_name = "N", default_value = "0", value_parser = zero_is_off)]
     pub prefill_chunk_tokens: ::std::option::Option<u32>,
-    /// Mixed steps: each step computes every running sequence's decode token plus
+    /// mixed steps: each step computes every running sequence's decode token plus
     /// prompt chunks, up to N tokens in all (0: a step is either a prefill or a decode)
     #[arg(long, value_name = "N", default_value = "0", value_parser = zero_is_off)]
     pub max_num_batched_tokens: ::std::option::Option<u32>,
-    /// Token budget (prompt + max_new_tokens) of the running batch
+    /// token budget (prompt + max_new_tokens) of the running batch
     /// (default: what the KV pool holds)
     #[arg(long)]
     pub max_batch_total_tokens: Option<u32>,
-    /// Sequences per decode step
+    /// sequences per decode step
     #[arg(long, default_value_t = 256)]
     pub max_batch_size: u32,
-    /// Requests in flight; past this, new ones get 429 at once
+    /// requests in flight; past this, new ones get 429 at once
     #[arg(long, default_value_t = 128)]
     pub max_concurrent_requests: u32,
-    /// Stop sequences of one request
+    /// stop sequences of one request
     #[arg(long, default_value_t = 16)]
     pub max_stop_sequences: u32,
-    /// Alternatives per token a request may ask for (`top_n_tokens`)
+    /// alternatives per token a request may ask for (`top_n_tokens`)
     #[arg(long, default_value_t = 5)]
     pub max_top_n_tokens: u32,
-    /// New tokens of a request that does not say
+    /// new tokens of a request that does not say
     #[arg(long, default_value_t = 100)]
     pub default_max_new_tokens: u32,
-    /// Largest request body, e.g. 2MB, 512KiB or bytes
+    /// largest request body, e.g. 2MB, 512KiB or bytes
     #[arg(long, default_value = "2MB", value_parser = parse_bytes)]
     pub payload_limit: usize,
-    /// Threads that tokenize and validate requests
+    /// threads that tokenize and validate requests
     #[arg(long, default_value_t = 2)]
     pub validation_workers: usize,
-    /// Seconds SIGTERM waits for accepted requests to finish (new ones get 503)
+    /// seconds SIGTERM waits for accepted requests to finish (new ones get 503)
     #[arg(long = "shutdown-timeout", value_name = "SECONDS", default_value_t = 30)]
     pub shutdown_timeout_s: u64,
-    /// A request still queued after this long gets 429 `queue_timeout` (0: wait forever)
+    /// a request still queued after this long gets 429 `queue_timeout` (0: wait forever)
     #[arg(long, default_value_t = 120_000)]
     pub max_queue_wait_ms: u64,
-    /// Do not reuse KV blocks of shared prompt prefixes
+    /// do not reuse KV blocks of shared prompt prefixes
     #[arg(long = "no-prefix-caching", action = ArgAction::SetFalse)]
     pub prefix_caching: bool,
-    /// Admit the queued request with the longest cached prefix first (SGLang's LPM)
+    /// admit the queued request with the longest cached prefix first (SGLang's LPM)
     #[arg(long)]
     pub cache_aware_admission: bool,
-    /// Require `Authorization: Bearer <key>` on generation routes
+    /// require `Authorization: Bearer <key>` on generation routes
     // Read from the environment too: the launcher passes the key there, not in argv, where any
     // local user could read it with `ps`.
     #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
     pub api_key: Option<String>,
-    /// Largest `n` (OpenAI) / `best_of` (TGI) of one request
+    /// largest `n` (OpenAI) / `best_of` (TGI) of one request
     #[arg(long, default_value_t = 4)]
     pub max_best_of: u32,
-    /// Level of the router's log: error, warn, info, debug or trace
+    /// level of the router's log: error, warn, info, debug or trace
     #[arg(long, default_value = "info")]
     pub log_level: String,
 }
@@ -285,6 +287,10 @@ mod tests {
         assert_eq!((c.api_key.as_deref(), c.log_level.as_str()), (Some("k"), "debug"));
         let argv = ["--shard-uds-path", "/s", "--tokenizer-dir", "/m"];
         assert_eq!(parse(&argv).unwrap().check(), Ok(()));
+        // Repeated: the last value wins, a list collects, a flag may repeat.
+        let c = parse(&["--port", "1", "--port=2", "--shard-uds-path=/a", "--shard-uds-path=/b", "--no-prefix-caching",
+            "--no-prefix-caching"]).unwrap();
+        assert_eq!((c.port, c.shard_uds_paths.len(), c.prefix_caching), (2, 2, false));
     }
 
     #[test]
