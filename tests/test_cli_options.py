@@ -127,13 +127,15 @@ def _launcher(*flags: str) -> Launcher:
 def test_launch_forwards_router_options(monkeypatch):
     monkeypatch.delenv("PAGEMILL_API_KEY", raising=False)
     launcher = _launcher("--port", "8080", "--api-key", "sekrit", "--no-prefix-caching", "--payload-limit", "1MiB",
-                         "--max-num-batched-tokens", "0", "--prefill-chunk-tokens", "256", "--model-id", "m1")
+                         "--max-num-batched-tokens", "0", "--prefill-chunk-tokens", "256", "--model-id", "m1",
+                         "--shutdown-timeout", "60")
     argv, env = launcher._router_args("/models/x", ["/s0", "/s1"])
     assert env == {"PAGEMILL_API_KEY": "sekrit"} and not any("sekrit" in f for f in argv)  # not visible in `ps`
-    assert "--port=8080" in argv and "--no-prefix-caching" in argv and "--model-id=m1" in argv
+    assert argv[argv.index("--port") + 1] == "8080" and "--no-prefix-caching" in argv
+    assert argv[argv.index("--model-id") + 1] == "m1"
     r = launcher.router
     assert (r["port"], r["api_key"], r["prefix_caching"], r["payload_limit"]) == (8080, "sekrit", False, 1 << 20)
-    assert (r["max_num_batched_tokens"], r["prefill_chunk_tokens"]) == (None, 256)
+    assert (r["max_num_batched_tokens"], r["prefill_chunk_tokens"], r["shutdown_timeout_s"]) == (None, 256, 60)
     assert r["shard_uds_paths"] == ["/s0", "/s1"] and r["tokenizer_dir"] == "/models/x"
     # Defaults come from the router's declaration.
     defaults = _launcher()

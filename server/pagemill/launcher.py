@@ -21,7 +21,7 @@ from pathlib import Path
 from pagemill.cli import shard_config
 from pagemill.config import check_quantize
 from pagemill.models.auto_dtype import resolve_dtype
-from pagemill.options import ROUTER_OPTIONS, dataclass_argv, router_env
+from pagemill.options import ROUTER_OPTIONS, dataclass_argv, flag_value, router_argv, router_env
 
 _PR_SET_PDEATHSIG = 1
 
@@ -153,7 +153,7 @@ class Launcher:
             raise ValueError(f"--num-shard must be >= 1, got {a.num_shard}")
         check_quantize(a.quantize, a.device.split(":")[0], a.num_shard)  # before any shard loads
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        router_argv, router_env = self._router_args(model_dir, socks)
+        router_flags, router_vars = self._router_args(model_dir, socks)
         threads = _threads_per_shard(a)
         draft = str(resolve_model(a.draft_model, cache_dir=cache_dir)) if a.draft_model else None  # a .gguf too
         for rank, sock in enumerate(socks):
@@ -170,8 +170,8 @@ class Launcher:
         if dead is not None:
             return self._fail(dead)
 
-        argv = [sys.executable, "-m", "pagemill", "router", *router_argv]
-        self.children.append(_spawn("router", argv, dict(env, **router_env)))
+        argv = [sys.executable, "-m", "pagemill", "router", *router_flags]
+        self.children.append(_spawn("router", argv, dict(env, **router_vars)))
         host, port = self.router["hostname"], self.router["port"]
         dead = self._wait("warming up and starting the router", lambda: _router_healthy(host, port))
         if dead is not None:
@@ -194,11 +194,12 @@ class Launcher:
         from pagemill import _router
 
         a = self.args
-        own = [f"--tokenizer-dir={model_dir}", f"--model-id={a.model_id or Path(model_dir).name}",
-               *(f"--shard-uds-path={s}" for s in socks)]
+        own = [*flag_value("--tokenizer-dir", model_dir), *flag_value("--model-id", a.model_id or Path(model_dir).name)]
+        for s in socks:
+            own += flag_value("--shard-uds-path", s)
         given = getattr(a, ROUTER_OPTIONS)
         argv, env = router_env(given)
-        secret = [f"--{row['flag']}={v}" for row, v in given if row["env"] and v is not None]
+        secret = router_argv([(row, v) for row, v in given if row["env"]])
         self.router = _router.parse(["pagemill router", *own, *argv, *secret])
         return own + argv, env
 

@@ -107,8 +107,15 @@ def dataclass_argv(obj: Any) -> list[str]:
         if t is bool:
             argv.append(_flag(f) if value else "--no-" + _flag(f)[2:])
         elif value is not None:
-            argv.append(f"{_flag(f)}={value}")  # `=`: a value may start with '-'
+            argv += flag_value(_flag(f), value)
     return argv
+
+
+def flag_value(flag: str, value: Any) -> list[str]:
+    """`--flag value` as argv, which is how people and `ps` greps read it; `--flag=value` where
+    the value starts with '-' and would otherwise read as an option."""
+    text = str(value)
+    return [f"{flag}={text}"] if text.startswith("-") else [flag, text]
 
 
 # ---- router options (declared in Rust) ---------------------------------------------------------
@@ -153,7 +160,10 @@ def add_router_options(p: argparse.ArgumentParser, table: list[dict], *, launche
 
 def router_argv(given: list[tuple[dict, str | None]]) -> list[str]:
     """The given router options as flags for the router."""
-    return [f"--{row['flag']}" if value is None else f"--{row['flag']}={value}" for row, value in given]
+    argv: list[str] = []
+    for row, value in given:
+        argv += [f"--{row['flag']}"] if value is None else flag_value(f"--{row['flag']}", value)
+    return argv
 
 
 def router_env(given: list[tuple[dict, str | None]]) -> tuple[list[str], dict[str, str]]:
