@@ -1,79 +1,58 @@
-//! The `pagemill._router` extension module: the launcher calls `serve`.
+//! The `pagemill._router` extension module. The router's options are declared
+//! once, on RouterConfig (config.rs); Python gets argv through and the option
+//! table out, and never spells an option itself.
 
-use std::path::PathBuf;
-
-use pyo3::exceptions::PyRuntimeError;
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
 
-use crate::config::RouterConfig;
+use crate::config::{option_table, RouterConfig};
 
+/// argv (program name first) -> a checked RouterConfig; a bad flag or value is a
+/// ValueError carrying clap's message (which names the flag).
+fn parse_checked(argv: Vec<String>) -> PyResult<RouterConfig> {
+    let config = RouterConfig::from_argv(argv).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    config.check().map_err(PyValueError::new_err)?;
+    Ok(config)
+}
+
+/// Parses and checks `argv` without serving: the launcher calls it before it
+/// starts the shards, so that a bad router flag fails in a second, not after loading.
+/// Returns the config as a dict of RouterConfig's fields.
 #[pyfunction]
-#[pyo3(signature = (
-    shard_uds_paths, tokenizer_dir, model_id = String::new(), hostname = "127.0.0.1".to_string(), port = 3000,
-    max_input_tokens = 1024, max_total_tokens = 2048, max_batch_prefill_tokens = 4096,
-    prefill_chunk_tokens = None, max_num_batched_tokens = None,
-    max_batch_total_tokens = None, max_batch_size = 256, max_concurrent_requests = 128,
-    max_stop_sequences = 16, max_top_n_tokens = 5, default_max_new_tokens = 100,
-    payload_limit = 2_000_000, shutdown_timeout_s = 30, log_level = "info".to_string(),
-    prefix_caching = true, cache_aware_admission = false,
-    api_key = None, max_best_of = 4, max_queue_wait_ms = 120_000
-))]
-#[allow(clippy::too_many_arguments)]
-fn serve(
-    py: Python<'_>,
-    shard_uds_paths: Vec<PathBuf>,
-    tokenizer_dir: PathBuf,
-    model_id: String,
-    hostname: String,
-    port: u16,
-    max_input_tokens: u32,
-    max_total_tokens: u32,
-    max_batch_prefill_tokens: u32,
-    prefill_chunk_tokens: Option<u32>,
-    max_num_batched_tokens: Option<u32>,
-    max_batch_total_tokens: Option<u32>,
-    max_batch_size: u32,
-    max_concurrent_requests: u32,
-    max_stop_sequences: u32,
-    max_top_n_tokens: u32,
-    default_max_new_tokens: u32,
-    payload_limit: usize,
-    shutdown_timeout_s: u64,
-    log_level: String,
-    prefix_caching: bool,
-    cache_aware_admission: bool,
-    api_key: Option<String>,
-    max_best_of: u32,
-    max_queue_wait_ms: u64,
-) -> PyResult<()> {
-    let config = RouterConfig {
-        hostname,
-        port,
-        shard_uds_paths,
-        tokenizer_dir,
-        model_id,
-        max_input_tokens,
-        max_total_tokens,
-        max_batch_prefill_tokens,
-        prefill_chunk_tokens,
-        max_num_batched_tokens,
-        max_batch_total_tokens,
-        max_batch_size,
-        max_concurrent_requests,
-        max_stop_sequences,
-        max_top_n_tokens,
-        default_max_new_tokens,
-        payload_limit,
-        shutdown_timeout_s,
-        prefix_caching,
-        cache_aware_admission,
-        api_key,
-        max_best_of,
-        max_queue_wait_ms,
-        ..RouterConfig::default()
-    };
+fn parse<'py>(py: Python<'py>, argv: Vec<String>) -> PyResult<Bound<'py, PyAny>> {
+    let config = parse_checked(argv)?;
+    let json = serde_json::to_string(&config).map_err(|e| PyValueError::new_err(e.to_string()))?;
+    py.import("json")?.call_method1("loads", (json,))
+}
+
+/// Every router option: dest, flag, kind, value_name, default, help, choices, env, launcher_sets.
+#[pyfunction]
+fn options<'py>(py: Python<'py>) -> PyResult<Vec<Bound<'py, PyDict>>> {
+    option_table()
+        .into_iter()
+        .map(|o| {
+            let d = PyDict::new(py);
+            d.set_item("dest", o.dest)?;
+            d.set_item("flag", o.flag)?;
+            d.set_item("kind", o.kind)?;
+            d.set_item("value_name", o.value_name)?;
+            d.set_item("default", o.default)?;
+            d.set_item("help", o.help)?;
+            d.set_item("choices", o.choices)?;
+            d.set_item("env", o.env)?;
+            d.set_item("launcher_sets", o.launcher_sets)?;
+            Ok(d)
+        })
+        .collect()
+}
+
+/// Parses `argv` (program name first) and serves until SIGINT/SIGTERM.
+#[pyfunction]
+fn serve(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
+    let config = parse_checked(argv)?;
     let _ = tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::new(format!("pagemill_router={log_level}")))
+        .with_env_filter(tracing_subscriber::EnvFilter::new(format!("pagemill_router={}", config.log_level)))
         .with_target(false)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr)
@@ -91,6 +70,8 @@ fn serve(
 #[pymodule]
 fn _router(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(serve, m)?)?;
+    m.add_function(wrap_pyfunction!(parse, m)?)?;
+    m.add_function(wrap_pyfunction!(options, m)?)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

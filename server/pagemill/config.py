@@ -1,43 +1,67 @@
-"""Typed configuration passed explicitly from the CLI to each component."""
+"""Typed configuration passed explicitly from the CLI to each component.
+
+ShardConfig is the one declaration of the shard's options: `pagemill shard`
+and `pagemill launch` generate their flags from its fields (options.py), and
+the launcher forwards a ShardConfig to each shard as flags generated from it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagemill.options import option, parse_bytes
+
+QUANTIZE_METHODS = ("int8",)
+
 
 @dataclass(frozen=True)
 class ShardConfig:
-    model_dir: str  # Hugging Face layout: config.json + *.safetensors (+ tokenizer files)
-    uds_path: str  # unix socket this shard serves gRPC on
-    rank: int = 0
-    world_size: int = 1
-    master_addr: str = "127.0.0.1"
-    master_port: int = 29500
-    local_rank: int | None = None  # GPU index on this node (default: rank % visible GPUs)
-    dist_timeout_s: float = 300.0  # how long a collective waits for a lost peer before failing
-    dtype: str = "auto"  # auto (models/auto_dtype.py) | float32 | bfloat16 | float16
-    device: str = "cpu"  # cpu | cuda
-    block_size: int = 16
-    # Bytes of KV pool on CPU (all layers, K and V). On CUDA the pool is sized
-    # from free memory times gpu_memory_utilization instead.
-    kv_cache_memory: int = 1 << 30
-    gpu_memory_utilization: float = 0.9
-    attention: str = "auto"  # auto | flash | triton | torch
-    num_threads: int = 0  # torch intra-op threads; 0 keeps torch's default
-    speculate: int = 0  # proposals verified per decode step (0: no speculation)
-    speculate_method: str = "ngram"  # ngram (prompt lookup) | draft (a second, smaller model)
-    draft_model: str | None = None  # HF model dir of the draft (same tokenizer as the target)
-    # Decode steps replay CUDA graphs captured at warmup (shard/cuda_graphs.py); ignored on CPU
-    # and with speculate > 0.
-    cuda_graphs: bool = True
-    # Compiled float32/bfloat16 CPU decode kernels (cpu_kernels/, docs/cpu.md).
-    cpu_kernels: bool = True
-    # None, or "int8": int8 linears on the CPU (models/quantized_linear.py, docs/quantization.md).
-    quantize: str | None = None
-    kv_cache_dtype: str = "auto"  # auto (the model dtype) | fp8_e4m3 | fp8_e5m2 (attention/kv_dtype.py)
-
-
-QUANTIZE_METHODS = ("int8",)
+    # Per process: `pagemill launch` sets these for each shard it starts. The defaults of the
+    # distributed ones come from torch.distributed's usual environment under `pagemill shard`, so
+    # that a multi-node launcher (torchrun-style, SLURM wrappers) can start it unchanged
+    # (docs/parallelism.md).
+    model_dir: str = option(per_process=True,
+                            help="Hugging Face model dir: config.json + *.safetensors (+ tokenizer files)")
+    uds_path: str = option(per_process=True, help="unix socket this shard serves gRPC on")
+    rank: int = option(0, per_process=True, env="RANK", help="rank of this shard in its tensor-parallel group")
+    world_size: int = option(1, per_process=True, env="WORLD_SIZE", help="shards in the tensor-parallel group")
+    master_addr: str = option("127.0.0.1", per_process=True, env="MASTER_ADDR",
+                              help="host of the torch.distributed rendezvous (rank 0)")
+    master_port: int = option(29500, env="MASTER_PORT",
+                              help="TCP port of the shards' torch.distributed rendezvous (more than one shard)")
+    local_rank: int | None = option(None, per_process=True, env="LOCAL_RANK",
+                                    help="GPU index of this shard on its node (default: rank % visible GPUs)")
+    dist_timeout_s: float = option(300.0, flag="dist-timeout",
+                                   help="seconds a collective waits for a lost peer shard before the call fails")
+    dtype: str = option("auto", choices=("auto", "float32", "bfloat16", "float16"),
+                        help="auto: bfloat16 on a CPU with AVX512-BF16 or AMX-BF16 (or a GPU with bf16), else "
+                             "float32 (models/auto_dtype.py)")
+    device: str = option("cpu", help="cpu or cuda")
+    block_size: int = option(16, help="tokens per KV block")
+    # On CUDA the pool is sized from free memory times gpu_memory_utilization instead.
+    kv_cache_memory: int = option(1 << 30, parse=parse_bytes,
+                                  help="bytes of KV pool on CPU (all layers, K and V), e.g. 1GiB, 512MiB")
+    gpu_memory_utilization: float = option(0.9, help="share of the GPU's free memory the shard may use (CUDA)")
+    attention: str = option("auto", choices=("auto", "flash", "triton", "torch"), help="attention backend")
+    num_threads: int = option(0, help="torch threads per shard (0: torch default)")
+    speculate: int = option(0, help="speculative tokens proposed and verified per decode step (0: off)")
+    speculate_method: str = option("ngram", choices=("ngram", "draft"),
+                                   help="ngram: prompt lookup, no second model; draft: a smaller model (--draft-model)")
+    draft_model: str | None = option(None, help="HF model dir of the draft model (same tokenizer as the target)")
+    # Decode steps replay CUDA graphs captured at warmup (shard/cuda_graphs.py).
+    cuda_graphs: bool = option(True, help="replay decode steps from CUDA graphs captured at warmup "
+                                          "(CUDA only; not with --speculate)")
+    # cpu_kernels/, docs/cpu.md
+    cpu_kernels: bool = option(True, help="compiled float32/bfloat16 CPU decode kernels: whole-layer decode up to 5 "
+                                          "(bf16: 8) sequences, single-row matvec, in-place paged attention (needs a "
+                                          "C++ compiler; docs/cpu.md)")
+    # models/quantized_linear.py
+    quantize: str | None = option(None, choices=QUANTIZE_METHODS,
+                                  help="int8: int8 weights per output channel and int8 activations per token for "
+                                       "every linear, output head included (CPU, one shard; docs/quantization.md)")
+    # attention/kv_dtype.py
+    kv_cache_dtype: str = option("auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
+                                 help="KV cache storage: auto (the model dtype) or fp8, which holds twice the tokens "
+                                      "of bf16")
 
 
 def check_quantize(method: str | None, device_type: str, world_size: int) -> None:

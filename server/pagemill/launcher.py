@@ -15,12 +15,13 @@ import tempfile
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from pagemill.cli import API_KEY_ENV, api_key, router_argv
-from pagemill.models.auto_dtype import resolve_dtype
+from pagemill.cli import shard_config
 from pagemill.config import check_quantize
+from pagemill.models.auto_dtype import resolve_dtype
+from pagemill.options import ROUTER_OPTIONS, dataclass_argv, flag_value, router_argv, router_env
 
 _PR_SET_PDEATHSIG = 1
 
@@ -110,6 +111,7 @@ class Launcher:
         self.args = args
         self.children: list[Child] = []
         self.stopping = threading.Event()
+        self.router: dict = {}  # the router's parsed config (RouterConfig's fields), once checked
 
     def _fail(self, child: Child) -> int:
         print(f"\npagemill: {child.name} exited with code {child.proc.returncode}; last lines:", file=sys.stderr)
@@ -139,7 +141,8 @@ class Launcher:
 
         a = self.args
         _progress("pagemill: resolving model (the default model is converted once, then cached)")
-        model_dir = str(resolve_model(a.model, cache_dir=Path(a.cache_dir) if a.cache_dir else None))
+        cache_dir = Path(a.cache_dir) if a.cache_dir else None
+        model_dir = str(resolve_model(a.model, cache_dir=cache_dir))
         _progress(f"pagemill: model {model_dir}", final=True)
         # Resolved once here so that every shard runs the same dtype (each logs it too).
         dtype, why = resolve_dtype(a.dtype, a.device)
@@ -150,49 +153,33 @@ class Launcher:
             raise ValueError(f"--num-shard must be >= 1, got {a.num_shard}")
         check_quantize(a.quantize, a.device.split(":")[0], a.num_shard)  # before any shard loads
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        router_flags, router_vars = self._router_args(model_dir, socks)
         threads = _threads_per_shard(a)
+        draft = str(resolve_model(a.draft_model, cache_dir=cache_dir)) if a.draft_model else None  # a .gguf too
         for rank, sock in enumerate(socks):
-            # torch.distributed's environment for a single-node group (the flags below say the same;
+            # torch.distributed's environment for a single-node group (the flags say the same;
             # the env is what libraries inside the shard, e.g. NCCL, look at).
             shard_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(a.num_shard),
                              MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.master_port))
-            argv = [sys.executable, "-m", "pagemill", "shard", "--model-dir", model_dir, "--uds-path", sock,
-                    "--rank", str(rank), "--world-size", str(a.num_shard), "--master-addr", "127.0.0.1",
-                    "--master-port", str(a.master_port), "--local-rank", str(rank),
-                    "--dtype", dtype, "--device", a.device, "--block-size", str(a.block_size),
-                    "--kv-cache-memory", str(a.kv_cache_memory), "--attention", a.attention,
-                    "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--num-threads", str(threads),
-                    "--speculate", str(a.speculate), "--speculate-method", a.speculate_method,
-                    "--cuda-graphs" if a.cuda_graphs else "--no-cuda-graphs", "--kv-cache-dtype", a.kv_cache_dtype,
-                    "--cpu-kernels" if a.cpu_kernels else "--no-cpu-kernels"]
-            if a.quantize:
-                argv += ["--quantize", a.quantize]
-            if a.draft_model:  # a .gguf draft is converted like the target
-                cache = Path(a.cache_dir) if a.cache_dir else None
-                argv += ["--draft-model", str(resolve_model(a.draft_model, cache_dir=cache))]
+            cfg = replace(shard_config(a, model_dir, sock, rank, a.num_shard), master_addr="127.0.0.1",
+                          local_rank=rank, dtype=dtype, num_threads=threads, draft_model=draft)
+            argv = [sys.executable, "-m", "pagemill", "shard", *dataclass_argv(cfg)]
             self.children.append(_spawn(f"shard {rank}", argv, shard_env))
         dead = self._wait(f"loading model on {a.num_shard} shard(s)",
                           lambda: all(_shard_healthy(s) for s in socks))
         if dead is not None:
             return self._fail(dead)
 
-        argv = [sys.executable, "-m", "pagemill", "router", "--tokenizer-dir", model_dir,
-                "--model-id", a.model_id or Path(model_dir).name]
-        for s in socks:
-            argv += ["--shard-uds-path", s]
-        argv += router_argv(a)
-        router_env = dict(env)
-        key = api_key(a)
-        if key:
-            router_env[API_KEY_ENV] = key
-        self.children.append(_spawn("router", argv, router_env))
-        dead = self._wait("warming up and starting the router", lambda: _router_healthy(a.hostname, a.port))
+        argv = [sys.executable, "-m", "pagemill", "router", *router_flags]
+        self.children.append(_spawn("router", argv, dict(env, **router_vars)))
+        host, port = self.router["hostname"], self.router["port"]
+        dead = self._wait("warming up and starting the router", lambda: _router_healthy(host, port))
         if dead is not None:
             return self._fail(dead)
         if self.stopping.is_set():
             self.stop()
             return 0
-        print(f"pagemill: ready on http://{a.hostname}:{a.port}", file=sys.stderr, flush=True)
+        print(f"pagemill: ready on http://{host}:{port}", file=sys.stderr, flush=True)
 
         while not self.stopping.wait(0.2):
             if (dead := self._dead()) is not None:
@@ -200,11 +187,27 @@ class Launcher:
         self.stop()
         return 0
 
+    def _router_args(self, model_dir: str, socks: list[str]) -> tuple[list[str], dict[str, str]]:
+        """`pagemill router`'s flags and environment: the router options given to launch plus
+        those the launcher sets. Parsed and checked by the router's own parser here, so that a bad
+        one fails now rather than after the shards have loaded."""
+        from pagemill import _router
+
+        a = self.args
+        own = [*flag_value("--tokenizer-dir", model_dir), *flag_value("--model-id", a.model_id or Path(model_dir).name)]
+        for s in socks:
+            own += flag_value("--shard-uds-path", s)
+        given = getattr(a, ROUTER_OPTIONS)
+        argv, env = router_env(given)
+        secret = router_argv([(row, v) for row, v in given if row["env"]])
+        self.router = _router.parse(["pagemill router", *own, *argv, *secret])
+        return own + argv, env
+
     def stop(self) -> None:
         """Router first (it drains in-flight requests), then the shards."""
         router = [c for c in self.children if c.name == "router"]
         shards = [c for c in self.children if c.name != "router"]
-        drain = self.args.shutdown_timeout + 10
+        drain = self.router.get("shutdown_timeout_s", 0) + 10
         for group, timeout in ((router, drain), (shards, 15)):
             for c in group:
                 if c.proc.poll() is None:
@@ -229,7 +232,7 @@ def launch(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         return launcher.run()
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
-        print(f"\npagemill: {e}", file=sys.stderr)
+    except (ValueError, RuntimeError, FileNotFoundError, ImportError) as e:
+        print(f"\npagemill: {str(e).rstrip()}", file=sys.stderr)
         launcher.stop()
         return 1
