@@ -76,10 +76,12 @@ VARIANTS = {
 }
 
 
-def build_model_dir(path: str, variant: str, seed: int = 0, eos_token_id: int | None = None) -> str:
+def build_model_dir(path: str, variant: str, seed: int = 0, eos_token_id: int | None = None,
+                    variants: dict | None = None) -> str:  # fmt: skip
+    """variants: where `variant` is defined (VARIANTS by default; test_models_breadth has its own)."""
     import transformers
 
-    cls_name, kwargs, save_kwargs = VARIANTS[variant]
+    cls_name, kwargs, save_kwargs = (variants or VARIANTS)[variant]
     kwargs = {**COMMON, **kwargs}
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id

@@ -98,8 +98,8 @@ def test_default_model_matches_transformers(default_model_dir):
     check_prefill_and_decode("smollm2", str(default_model_dir), hf)
 
 
-def check_prefill_and_decode(name, model_dir, hf) -> None:
-    model, config = load_model(model_dir, "float32", "cpu")
+def check_prefill_and_decode(name, model_dir, hf, cpu_kernels: bool = True) -> None:
+    model, config = load_model(model_dir, "float32", "cpu", cpu_kernels=cpu_kernels)
     h = PagedHarness(model, config)
     p = prompts(config.vocab_size, [7, 13, 1, 10])
     seqs = {0: p[0], 1: p[1], 2: p[2]}

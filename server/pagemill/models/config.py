@@ -8,23 +8,30 @@ the wild are accepted: the classic `rope_theta` + `rope_scaling` keys and the
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # Rope variants whose inverse frequencies we compute (see layers.rope_inv_freq).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# "su" is the name early Phi-3 configs gave longrope.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
 
 
 @dataclass(frozen=True)
 class RopeScaling:
-    rope_type: str  # "linear" | "llama3"
+    rope_type: str  # "linear" | "llama3" | "longrope"
     factor: float
     # llama3 only
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
+    original_max_position_embeddings: int = 8192  # llama3 and longrope
+    # longrope only: per-frequency divisors below / from original_max_position_embeddings
+    # (see layers.RotaryEmbedding), and the factor cos/sin are multiplied by.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,10 @@ class ModelConfig:
     # Mistral v0.1 / Qwen2 option. Not applied by the attention backends yet:
     # sequences longer than the window would diverge from the reference.
     sliding_window: int | None = None
+    # o_proj carries a bias: HF's Llama and Qwen3 tie it to attention_bias, Qwen2/Mistral/Phi-3 never have one.
+    o_proj_bias: bool = False
+    # Qwen3: an RMSNorm over head_dim on every q and k head, before rotary.
+    qk_norm: bool = False
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> "ModelConfig":
@@ -83,11 +94,17 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = int(d.get("head_dim") or hidden // heads)
 
-        rope_theta, rope_scaling = _parse_rope(d)
+        rope_theta, rope_scaling = _parse_rope(d, head_dim)
 
         sliding_window = d.get("sliding_window")
-        if model_type == "qwen2" and not d.get("use_sliding_window", False):
-            sliding_window = None  # Qwen2 writes a window but only uses it when asked
+        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+            sliding_window = None  # Qwen2/3 write a window but only use it when asked
+        if model_type == "qwen2":
+            attention_bias = True  # Qwen2's config has no flag: its q/k/v projections always have a bias
+        elif model_type == "phi3":
+            attention_bias = False  # Phi-3's fused qkv_proj has none, whatever the config says
+        else:
+            attention_bias = bool(d.get("attention_bias", False))
 
         return cls(
             model_type=model_type,
@@ -103,16 +120,17 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            # Qwen2's config has no flag: its q/k/v projections always have a bias.
-            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            attention_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(d, generation),
             bos_token_id=d.get("bos_token_id"),
             sliding_window=int(sliding_window) if sliding_window else None,
+            o_proj_bias=attention_bias and model_type in ("llama", "qwen3"),
+            qk_norm=model_type == "qwen3",
         )
 
 
-def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _parse_rope(d: dict[str, Any], head_dim: int) -> tuple[float, RopeScaling | None]:
     params = d.get("rope_parameters")
     if isinstance(params, dict) and params:
         scaling = dict(params)
@@ -120,6 +138,10 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     else:
         theta = float(d.get("rope_theta", 10000.0))
         scaling = dict(d["rope_scaling"]) if d.get("rope_scaling") else None
+    # Phi-4-mini (model_type phi3) rotates only part of each head; we rotate all of it.
+    partial = float((scaling or {}).get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0:
+        raise ValueError(f"unsupported partial_rotary_factor={partial}: pagemill applies rotary to the whole head")
     if not scaling:
         return theta, None
     # Older configs spell the key "type".
@@ -132,6 +154,8 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         return theta, None
     if rope_type == "linear":
         return theta, RopeScaling("linear", float(scaling["factor"]))
+    if rope_type in ("longrope", "su"):
+        return theta, _parse_longrope(d, scaling, head_dim)
     return theta, RopeScaling(
         "llama3",
         factor=float(scaling["factor"]),
@@ -139,6 +163,31 @@ def _parse_rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(scaling.get("original_max_position_embeddings", 8192)),
     )
+
+
+def _parse_longrope(d: dict[str, Any], scaling: dict[str, Any], head_dim: int) -> RopeScaling:
+    """As transformers' _compute_longrope_parameters: Phi-3 keeps original_max_position_embeddings
+    at the top level of config.json, transformers >= 5 inside rope_parameters."""
+    original = scaling.get("original_max_position_embeddings", d.get("original_max_position_embeddings"))
+    if original is None:
+        raise ValueError("longrope rope scaling needs original_max_position_embeddings")
+    original = int(original)
+    short, long = tuple(map(float, scaling["short_factor"])), tuple(map(float, scaling["long_factor"]))
+    if len(short) != head_dim // 2 or len(long) != head_dim // 2:
+        raise ValueError(
+            f"longrope short_factor/long_factor have {len(short)}/{len(long)} entries, head_dim {head_dim} needs "
+            f"{head_dim // 2}"
+        )
+    factor = scaling.get("factor")
+    # Without an explicit factor the extension ratio is the context growth (Phi-3's configs).
+    factor = float(factor) if factor is not None else int(d.get("max_position_embeddings", 2048)) / original
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeScaling(
+        "longrope", factor=factor, original_max_position_embeddings=original, short_factor=short,
+        long_factor=long, attention_factor=float(attention),
+    )  # fmt: skip
 
 
 def _eos_ids(config: dict[str, Any], generation: dict[str, Any] | None) -> tuple[int, ...]:

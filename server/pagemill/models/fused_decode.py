@@ -83,13 +83,23 @@ class FusedDecoder:
             return None
         if model.config.head_dim % 2 or len({layer.input_layernorm.eps for layer in layers}) != 1:
             return None
+        # A layer with a weight the kernel never reads (Qwen3's q/k norms, an o_proj bias) computes
+        # something else than the kernel would: it keeps the module path.
+        known = {id(t) for layer in layers for t in cls._layer_tensors(layer) if t is not None}
+        if any(id(p) not in known for p in params):
+            return None
         return cls(layers, kernels, layers[0].input_layernorm.eps, dtype)
 
-    def _pointer_table(self, layer: nn.Module) -> torch.Tensor:
+    @staticmethod
+    def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None]:
+        """What the kernel reads of one layer, in its pointer table's order."""
         attn, mlp = layer.self_attn, layer.mlp
-        tensors = [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
-                   layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
-                   mlp.down_proj.weight, mlp.down_proj.bias]  # fmt: skip
+        return [layer.input_layernorm.weight, attn.qkv_proj.weight, attn.qkv_proj.bias, attn.o_proj.weight,
+                layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
+                mlp.down_proj.weight, mlp.down_proj.bias]  # fmt: skip
+
+    def _pointer_table(self, layer: nn.Module) -> torch.Tensor:
+        tensors = self._layer_tensors(layer)
         assert len(tensors) == self._kernels.layer_ptrs
         self._held += [t for t in tensors if t is not None]
         return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)

@@ -44,6 +44,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
         return inv_freq
     if scaling.rope_type == "linear":
         return inv_freq / scaling.factor
+    if scaling.rope_type == "longrope":
+        # The short set; RotaryEmbedding switches to long_factor past the original context.
+        return longrope_inv_freq(head_dim, theta, scaling.short_factor)
     # llama3: long wavelengths are divided by `factor`, short ones kept, the
     # band in between interpolated smoothly.
     old_len = scaling.original_max_position_embeddings
@@ -57,24 +60,55 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
+def longrope_inv_freq(head_dim: int, theta: float, factors: tuple[float, ...]) -> torch.Tensor:
+    """LongRoPE: each frequency divided by its own factor (transformers' operation order)."""
+    exponent = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32, device="cpu") * theta**exponent)
+
+
 class RotaryEmbedding:
     """cos/sin for arbitrary positions, computed per forward.
 
     Not an nn.Module on purpose: it has no weights to load, and computing
     position * inv_freq on the fly (one tiny [T, head_dim] op per forward)
     matches HF bit for bit and has no maximum length.
+
+    LongRoPE (Phi-3) has two frequency sets. transformers picks one per forward
+    call from its longest position: long_factor once max(position) + 1 exceeds
+    original_max_position_embeddings (dynamic_rope_update). We pick per
+    position by the same rule (position p uses long_factor iff p + 1 > original),
+    so a cached key's rotation never changes with the batch it was computed in.
+    This is exactly HF's cached generation whenever the prompt fits the
+    original context (its prefill is all short, each later decode token is
+    rotated by its own p + 1); a prompt already past it is rotated all-long
+    by HF's prefill and short-then-long here.
     """
 
     def __init__(self, config: ModelConfig) -> None:
-        self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
-        self._on_device: dict[torch.device, torch.Tensor] = {}
+        scaling = config.rope_scaling
+        self._inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, scaling)
+        self._long: torch.Tensor | None = None  # longrope's long set
+        self._switch = 0  # first position that uses it
+        self._attention = 1.0  # cos/sin multiplier (longrope's attention factor)
+        if scaling is not None and scaling.rope_type == "longrope":
+            self._long = longrope_inv_freq(config.head_dim, config.rope_theta, scaling.long_factor)
+            self._switch = scaling.original_max_position_embeddings
+            self._attention = scaling.attention_factor
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        inv_freq = self._on_device.get(positions.device)
-        if inv_freq is None:
-            inv_freq = self._on_device[positions.device] = self._inv_freq.to(positions.device)
-        freqs = positions.float()[:, None] * inv_freq  # [T, head_dim // 2]
+        inv = self._on_device.get(positions.device)
+        if inv is None:
+            long = None if self._long is None else self._long.to(positions.device)
+            inv = self._on_device[positions.device] = (self._inv_freq.to(positions.device), long)
+        inv_freq, long = inv
+        p = positions.float()[:, None]
+        freqs = p * inv_freq  # [T, head_dim // 2]
+        if long is not None:
+            freqs = torch.where(p >= self._switch, p * long, freqs)
         emb = torch.cat((freqs, freqs), dim=-1)  # HF layout: both halves share a frequency
+        if self._attention != 1.0:
+            return (emb.cos() * self._attention).to(dtype), (emb.sin() * self._attention).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -1,5 +1,8 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over packed tokens.
 
+Qwen3 (qwen3.py) and Phi-3 (phi3.py) subclass it: they differ in one hook
+(q/k norm) or in the checkpoint's layout only.
+
 The module tree and parameter names mirror Hugging Face's LlamaForCausalLM,
 except that q/k/v and gate/up projections are fused into one parameter each
 (STACKED_PARAMS); the loader copies the checkpoint's tensors into their rows.
@@ -73,13 +76,13 @@ class Attention(nn.Module):
         # Column-parallel: only this rank's heads; o_proj is row-parallel.
         self.qkv_sizes = [q_size, kv_size, kv_size]
         self.qkv_proj = ColumnParallelLinear(h, q_size + 2 * kv_size, bias=bias)
-        self.o_proj = RowParallelLinear(q_size, h, False, group)
+        self.o_proj = RowParallelLinear(q_size, h, config.o_proj_bias, group)
 
     def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k heads are adjacent in the fused output: one rotary for both.
-        qk = apply_rotary(qkv[:, : self.num_heads + self.num_kv_heads], cos, sin)
+        qk = apply_rotary(self.before_rotary(qkv[:, : self.num_heads + self.num_kv_heads]), cos, sin)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = kv_cache
@@ -90,11 +93,16 @@ class Attention(nn.Module):
             out = self.backend.decode(q, k_cache, v_cache, meta, self.scale)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
+    def before_rotary(self, qk: torch.Tensor) -> torch.Tensor:
+        """[T, q heads + kv heads, head_dim] as projected -> what rotary rotates (Llama: itself)."""
+        return qk
+
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: TPLayout, group: ParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: TPLayout, group: ParallelGroup,
+                 attention_cls: type[Attention] = Attention) -> None:  # fmt: skip
         super().__init__()
-        self.self_attn = Attention(config, backend, layout, group)
+        self.self_attn = attention_cls(config, backend, layout, group)
         self.mlp = MLP(config, layout.intermediate, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -105,11 +113,12 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: TPLayout, group: ParallelGroup) -> None:
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: TPLayout, group: ParallelGroup,
+                 attention_cls: type[Attention] = Attention) -> None:  # fmt: skip
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout.vocab, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, layout, group) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, layout, group, attention_cls) for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
@@ -129,6 +138,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # What subclasses change: the attention module, and which checkpoint projections are fused at load.
+    attention_cls: type[Attention] = Attention
+    stacked_params: dict[str, tuple[str, int]] = STACKED_PARAMS
+
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend | None = None, group: ParallelGroup | None = None
     ) -> None:
@@ -144,7 +157,7 @@ class LlamaForCausalLM(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size,
             self.group.world_size, self.group.rank,
         )  # fmt: skip
-        self.model = LlamaModel(config, backend, self.layout, self.group)
+        self.model = LlamaModel(config, backend, self.layout, self.group, self.attention_cls)
         self.lm_head = ParallelLMHead(config.hidden_size, self.layout.vocab, config.vocab_size, self.group)
         self.tie_weights()
 
@@ -172,12 +185,16 @@ class LlamaForCausalLM(nn.Module):
         """KV heads this rank holds in its pool."""
         return self.layout.heads.kv.size
 
+    def checkpoint_targets(self, name: str) -> list[WeightTarget]:
+        """Every part of this rank's parameters that checkpoint tensor `name` fills (phi3.py: several)."""
+        return [self.checkpoint_target(name)]
+
     def checkpoint_target(self, name: str) -> WeightTarget:
         """Where checkpoint tensor `name` goes on this rank, and which part of it this rank reads."""
         prefix, _, leaf = name.rpartition(".")  # leaf: weight / bias
         lay, d = self.layout, self.config.head_dim
         q, kv, inter = lay.heads.q, lay.heads.kv, lay.intermediate
-        for hf, (ours, part) in STACKED_PARAMS.items():
+        for hf, (ours, part) in self.stacked_params.items():
             if prefix.endswith("." + hf):
                 target = f"{prefix[: -len(hf)]}{ours}.{leaf}"
                 if ours == "self_attn.qkv_proj":  # rows: [q heads | k heads | v heads] of this rank

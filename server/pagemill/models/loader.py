@@ -13,7 +13,8 @@ from safetensors import safe_open
 from pagemill.attention.backend import AttentionBackend
 from pagemill.config import check_quantize
 from pagemill.models.config import ModelConfig
-from pagemill.models.llama import STACKED_PARAMS, LlamaForCausalLM
+from pagemill.models.architectures import model_class
+from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.quantized_linear import quantize_model
 from pagemill.parallel.group import ParallelGroup
 from pagemill.parallel.partition import Range
@@ -69,7 +70,7 @@ def load_model(
     check_quantize(quantize, device.type, group.world_size if group is not None else 1)
     # Build on the meta device: no time spent on random init we would overwrite.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, backend, group).to(dtype)
+        model = model_class(config)(config, backend, group).to(dtype)
     model.to_empty(device=device)
     model.tie_weights()  # to_empty created fresh parameters
     load_weights(model, safetensors_files(model_dir))
@@ -100,19 +101,20 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
                     continue
                 if tied and name == "lm_head.weight":
                     continue  # the embedding is the output projection
-                target = model.checkpoint_target(name)
-                param = params.get(target.param)
-                if param is None or name not in expected:
+                targets = model.checkpoint_targets(name)
+                if name not in expected or any(t.param not in params for t in targets):
                     log.warning("ignoring checkpoint tensor %s (no such parameter)", name)
                     continue
-                dest = param.narrow(0, target.dest.start, target.dest.size) if target.dest else param
-                tensor = _read(f.get_slice(name), target.src_dim, target.src)
-                if tensor.shape != dest.shape:
-                    raise ValueError(
-                        f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
-                        + (f" (this rank's slice of {name})" if target.src else "")
-                    )
-                dest.copy_(tensor)  # casts to the model dtype and device
+                for target in targets:
+                    param = params[target.param]
+                    dest = param.narrow(0, target.dest.start, target.dest.size) if target.dest else param
+                    tensor = _read(f.get_slice(name), target.src_dim, target.src)
+                    if tensor.shape != dest.shape:
+                        raise ValueError(
+                            f"{path}: {name} has shape {tuple(tensor.shape)}, the config implies {tuple(dest.shape)}"
+                            + (f" (this rank's slice of {name})" if target.src else "")
+                        )
+                    dest.copy_(tensor)  # casts to the model dtype and device
                 loaded.add(name)
     if tied and "model.embed_tokens.weight" in loaded:
         loaded.add("lm_head.weight")
@@ -137,7 +139,7 @@ def _checkpoint_names(model: LlamaForCausalLM, params: dict) -> set[str]:
     """Our parameter names with each fused parameter replaced by its HF parts."""
     names = set(params)
     for layer in range(len(model.model.layers)):
-        for hf, (ours, _) in STACKED_PARAMS.items():
+        for hf, (ours, _) in model.stacked_params.items():
             for leaf in ("weight", "bias"):
                 fused = f"model.layers.{layer}.{ours}.{leaf}"
                 if fused in params:
