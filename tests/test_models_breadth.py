@@ -126,6 +126,27 @@ def test_phi3_tensor_parallel_slices_fused_checkpoint(tmp_path):
         assert q.size == 2 and kv.size == 1 and i.size == inter // 2
 
 
+def _tp_steps(group: ParallelGroup, dirs: dict) -> dict:
+    from test_parallel import _steps
+
+    return {v: _steps(d, group) for v, d in dirs.items()}
+
+
+def test_two_ranks_match_one_rank(tmp_path_factory):
+    """Tensor parallelism end to end: q/k norms on each rank's heads, o_proj's bias added once,
+    Phi-3's fused tensors sliced per rank (test_parallel's 2-process gloo harness)."""
+    from test_parallel import _steps, run_ranks
+
+    dirs = {v: build_model_dir(str(tmp_path_factory.mktemp(v)), v, variants=VARIANTS)
+            for v in ("qwen3_bias", "phi3_longrope")}  # fmt: skip
+    ranks = run_ranks(_tp_steps, dirs)
+    for variant, model_dir in dirs.items():
+        for step, (a, b, ref) in enumerate(zip(ranks[0][variant], ranks[1][variant], _steps(model_dir, None))):
+            assert torch.equal(a, b), f"{variant} step {step}: ranks disagree"
+            rel = ((a - ref).abs().max() / ref.abs().max()).item()
+            assert rel < 1e-5, f"{variant} step {step}: 2 ranks vs 1 relative error {rel:.2e}"
+
+
 BASE = dict(vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4)
 
 
