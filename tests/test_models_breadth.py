@@ -68,6 +68,18 @@ def test_fused_decode_only_where_it_computes_the_layer(breadth_model):
     assert (model.model.fused is not None) == name.startswith("phi3")
 
 
+def test_bfloat16_tracks_float32_reference(breadth_model):
+    """bf16 weights and pool (Phi-3 through the bf16 fused layer, Qwen3 through the modules)."""
+    name, path, hf = breadth_model
+    model, config = load_model(path, "bfloat16", "cpu")
+    h = PagedHarness(model, config, dtype=torch.bfloat16)
+    (tokens,) = prompts(config.vocab_size, [12], seed=9)
+    ours = torch.cat([h.prefill({0: tokens})[0], h.decode({0: tokens + [5]})[0][None]])
+    ref = hf(torch.tensor([tokens + [5]])).logits[0].float().detach()
+    rel = ((ours - ref).abs().max() / ref.abs().max()).item()
+    assert rel < 5e-2, f"{name} bf16: relative max error {rel:.2e}"
+
+
 @torch.no_grad()
 def hf_cached_logits(hf, tokens: list[int], prompt_len: int) -> torch.Tensor:
     """HF's generation path: the prompt in one forward, then one token per forward with the
