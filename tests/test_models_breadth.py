@@ -119,7 +119,8 @@ def test_phi3_tensor_parallel_slices_fused_checkpoint(tmp_path):
     [its gate | its up] out of Phi-3's fused tensors: the same rows the unfused layout gives."""
     path = build_model_dir(str(tmp_path), "phi3", variants=VARIANTS)
     full, config = load_model(path, "float32", "cpu", cpu_kernels=False)
-    d, nq, nkv, inter = config.head_dim, config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    d, inter = config.head_dim, config.intermediate_size
+    nq, nkv = config.num_attention_heads, config.num_key_value_heads
     full_qkv = full.model.layers[1].self_attn.qkv_proj.weight
     full_gu = full.model.layers[1].mlp.gate_up_proj.weight
     for rank in range(2):
