@@ -51,7 +51,9 @@ pub struct RouterConfig {
     pub prefill_chunk_tokens: ::std::option::Option<u32>,
     /// mixed steps: each step computes every running sequence's decode token plus
     /// prompt chunks, up to N tokens in all (0: a step is either a prefill or a decode)
-    #[arg(long, value_name = "N", default_value = "0", value_parser = zero_is_off)]
+    // 2048: measured against separate steps at 64 concurrent on the default
+    // model (docs/benchmarks.md): same throughput, TTFT p50 -27%, p99 no worse.
+    #[arg(long, value_name = "N", default_value = "2048", value_parser = zero_is_off)]
     pub max_num_batched_tokens: ::std::option::Option<u32>,
     /// token budget (prompt + max_new_tokens) of the running batch
     /// (default: what the KV pool holds)
@@ -260,7 +262,7 @@ mod tests {
         let c = RouterConfig::default();
         assert_eq!((c.hostname.as_str(), c.port), ("127.0.0.1", 3000));
         assert_eq!((c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens), (1024, 2048, 4096));
-        assert_eq!((c.prefill_chunk_tokens, c.max_num_batched_tokens, c.max_batch_total_tokens), (None, None, None));
+        assert_eq!((c.prefill_chunk_tokens, c.max_num_batched_tokens, c.max_batch_total_tokens), (None, Some(2048), None));
         assert_eq!((c.max_batch_size, c.max_concurrent_requests, c.max_stop_sequences), (256, 128, 16));
         assert_eq!((c.max_top_n_tokens, c.default_max_new_tokens, c.max_best_of), (5, 100, 4));
         assert_eq!((c.payload_limit, c.validation_workers), (2_000_000, 2));

@@ -84,7 +84,11 @@ pub fn schedule(st: &mut State, now: Instant) -> StepPlan {
     match st.config.max_num_batched_tokens {
         Some(budget) => {
             let used = schedule_decodes(st, &mut plan);
-            schedule_prompts(st, &mut plan, Some(budget.saturating_sub(used)), now);
+            // Prompt tokens per step also stay under the prefill budget the
+            // shard warmed up for, and under a chunk size if one is set.
+            let cap = st.config.budget.prefill_chunk_tokens.unwrap_or(u32::MAX);
+            let left = budget.saturating_sub(used).min(cap).min(st.config.budget.max_batch_prefill_tokens);
+            schedule_prompts(st, &mut plan, Some(left), now);
         }
         None => {
             let chunk = st.config.budget.prefill_chunk_tokens;
