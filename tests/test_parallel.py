@@ -89,6 +89,9 @@ def _entry(rank: int, port: int, out_dir: str, fn, args) -> None:
     group = ParallelGroup.init(ParallelConfig(rank=rank, world_size=WORLD, master_port=port, timeout_s=120), "cpu")
     try:
         torch.save(fn(group, *args), os.path.join(out_dir, f"{rank}.pt"))
+        # Tearing gloo down while the peer still has pairs open aborts the process
+        # now and then ("terminate called without an active exception"): meet first.
+        group.barrier()
     finally:
         group.destroy()
 

@@ -70,6 +70,12 @@ class ParallelGroup:
         )
         return cls(cfg.rank, cfg.world_size, device, initialised=True)
 
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
     def destroy(self) -> None:
         if self._initialised:
             import torch.distributed as dist
