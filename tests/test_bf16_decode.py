@@ -71,11 +71,16 @@ def test_bf16_matvec_matches_float32_linear(library, mul, rows, n, k):
                                atol=1e-3 * ref.abs().max().item())  # fmt: skip
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (6, 1, 40, 5)])
+# Shapes of the vectorised path (paged_attention.h: 16-token score chunks, head
+# chunks of 4/2/1 by head_dim, 300 tokens over many scattered blocks) and of its fallbacks.
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
+                         [(4, 2, 16, 4), (9, 3, 64, 16), (6, 1, 40, 5), (14, 2, 128, 16), (8, 8, 96, 16),
+                          (5, 1, 256, 8), (4, 1, 80, 16)])  # fmt: skip
 def test_bf16_paged_attention_matches_float32_reference(library, heads, kv_heads, head_dim, block_size):
     _, decode = library
     g = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
-    num_blocks, lens = 48, [1, block_size, block_size + 1, 37, 2 * block_size - 1]
+    lens = [1, block_size, block_size + 1, 37, 2 * block_size - 1, 300]
+    num_blocks = sum(-(-n // block_size) for n in lens) + 1
     k_cache, v_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).bfloat16() for _ in "kv")
     perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
     tables = [[perm.pop() for _ in range(-(-n // block_size))] for n in lens]

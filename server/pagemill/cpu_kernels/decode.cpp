@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "bf16_rows.h"
+#include "paged_attention.h"
 #include "vec.h"
 
 namespace {

@@ -1,6 +1,5 @@
 // Inner loops shared by the CPU kernels: the element types (float32 and
-// bfloat16), dot products of float activations against either, and paged
-// attention of one kv head's query group against one sequence's cache.
+// bfloat16) and dot products of float activations against either.
 #pragma once
 #include <math.h>
 #include <stdint.h>
@@ -110,49 +109,6 @@ inline void axpy(float p, const T* v, float* o, int64_t D) {
 #else
   for (int64_t d = 0; d < D; ++d) o[d] += p * to_float(v[d]);
 #endif
-}
-
-// Where a sequence's cache rows live: [num_blocks, block_size, kv_heads, head_dim].
-template <typename T>
-struct PagedKV {
-  const T* k;
-  const T* v;
-  const int32_t* block_table;  // this sequence's blocks
-  int64_t block_size, kv_heads, head_dim;
-
-  inline int64_t row(int64_t t, int64_t kv_head) const {
-    const int64_t block = block_table[t / block_size];
-    return ((block * block_size + t % block_size) * kv_heads + kv_head) * head_dim;
-  }
-};
-
-// out[g] = softmax(scale * q[g] . K^T) V over the first `len` tokens, for the
-// `group` query heads q[0..group) (stride q_stride) that share `kv_head`.
-// One pass over K for the whole group. scores: group * len floats of scratch.
-// The cache holds T (float or bf16); q, scores and out are float32.
-template <typename T>
-inline void attend_group(const float* q, int64_t q_stride, int64_t group, const PagedKV<T>& kv, int64_t kv_head,
-                         int64_t len, float scale, float* scores, float* out, int64_t out_stride) {
-  const int64_t D = kv.head_dim;
-  for (int64_t t = 0; t < len; ++t) {
-    const T* k = kv.k + kv.row(t, kv_head);
-    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q + g * q_stride, k, D) * scale;
-  }
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * len;
-    float m = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
-    float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) sum += (s[t] = expf(s[t] - m));
-    const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
-    float* o = out + g * out_stride;
-    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-  }
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = kv.v + kv.row(t, kv_head);
-    for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, out + g * out_stride, D);
-  }
 }
 
 }  // namespace pagemill

@@ -1,0 +1,274 @@
+// Paged attention of one kv head's query group against one sequence's cache:
+// the inner loop of decode attention (decode.cpp), run once per (sequence,
+// kv head) of a step, i.e. 64 x 3 times per layer at 64 running sequences.
+//
+// Why it is shaped this way (measured, docs/cpu.md): the plain loop spent
+// most of its time outside the multiplies: a horizontal sum per (token,
+// head) score, each bf16 key widened once per query head, a scalar expf per
+// score, and every value row added into an output held in memory.
+// Here, with AVX-512:
+// - scores: 16 tokens at a time per head, one accumulator each, then one
+//   transposing reduction turns the 16 accumulators into 16 scores (~3
+//   shuffles per score instead of ~8). bf16 keys meet a bf16 copy of the
+//   query in vdpbf16ps where the CPU has AVX512-BF16 (the query is rounded to
+//   bf16 as torch's bf16 attention holds it; keys are used as stored);
+//   otherwise keys are widened once per 16 elements and FMA'd in float32.
+// - softmax: vectorised, exp by range reduction and a degree-6 polynomial
+//   (relative error ~2e-7, below float32 rounding of the sums that follow);
+//   the 1/sum is applied to the output, not to every probability.
+// - values: each row widened once and FMA'd into the group's outputs held
+//   in registers (up to 24 vectors), chunks of query heads when more.
+// Without AVX-512 (or with a head_dim that is not a multiple of 16) the
+// scalar loop below runs; both compute softmax(scale * q.K^T) V in float32.
+#pragma once
+#include <math.h>
+#include <stdint.h>
+
+#include <vector>
+
+#include "vec.h"
+
+namespace pagemill {
+
+// Where a sequence's cache rows live: [num_blocks, block_size, kv_heads, head_dim].
+template <typename T>
+struct PagedKV {
+  const T* k;
+  const T* v;
+  const int32_t* block_table;  // this sequence's blocks
+  int64_t block_size, kv_heads, head_dim;
+
+  inline int64_t row(int64_t t, int64_t kv_head) const {
+    const int64_t block = block_table[t / block_size];
+    return ((block * block_size + t % block_size) * kv_heads + kv_head) * head_dim;
+  }
+
+  // rows[t] = row(t, kv_head) for t < len, block by block (no division per token).
+  inline void rows(int64_t len, int64_t kv_head, int64_t* out) const {
+    const int64_t stride = kv_heads * head_dim;
+    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+      const int64_t base = (int64_t)block_table[b] * block_size * stride + kv_head * head_dim;
+      const int64_t n = len - t0 < block_size ? len - t0 : block_size;
+      for (int64_t i = 0; i < n; ++i) out[t0 + i] = base + i * stride;
+    }
+  }
+};
+
+// The portable loop: out[g] = softmax(scale * q[g] . K^T) V over `len` tokens.
+template <typename T>
+inline void attend_group_scalar(const float* q, int64_t q_stride, int64_t group, const PagedKV<T>& kv,
+                                int64_t kv_head, int64_t len, float scale, float* scores, float* out,
+                                int64_t out_stride) {
+  const int64_t D = kv.head_dim;
+  for (int64_t t = 0; t < len; ++t) {
+    const T* k = kv.k + kv.row(t, kv_head);
+    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q + g * q_stride, k, D) * scale;
+  }
+  for (int64_t g = 0; g < group; ++g) {
+    float* s = scores + g * len;
+    float m = -INFINITY;
+    for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+    float sum = 0.f;
+    for (int64_t t = 0; t < len; ++t) sum += (s[t] = expf(s[t] - m));
+    const float inv = 1.f / sum;
+    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    float* o = out + g * out_stride;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+  }
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = kv.v + kv.row(t, kv_head);
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, out + g * out_stride, D);
+  }
+}
+
+#if defined(__AVX512F__)
+
+// Lane i of the result = the sum of a[i]'s 16 lanes (a is consumed).
+inline __m512 transpose_sum16(__m512* a) {
+  __m512 s[8], u[4];
+  for (int i = 0; i < 8; ++i)  // pairs: per 128-bit lane [x0+x2, y0+y2, x1+x3, y1+y3]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // quads: per 128-bit lane one partial of each of 4 rows
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44), _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x44), _mm512_shuffle_f32x4(u[0], u[1], 0xEE));
+  const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x44), _mm512_shuffle_f32x4(u[2], u[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+
+// e^x for x <= 0 (softmax arguments); below -87 it is 0.
+inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  // r = x - n ln2, ln2 split in two so r stays exact to float precision.
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720.f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t D) {
+  for (int64_t b = 0; b < D * (int64_t)sizeof(T); b += 64) _mm_prefetch((const char*)p + b, _MM_HINT_T0);
+}
+
+inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
+
+// The query of one head as the key rows meet it: bf16 pairs for vdpbf16ps, or float32.
+template <typename T>
+struct QueryRow {
+  static constexpr bool kDp = false;
+  const float* q;
+};
+#if defined(__AVX512BF16__)
+template <>
+struct QueryRow<bf16> {
+  static constexpr bool kDp = true;
+  __m512bh q[8];  // head_dim <= 256
+};
+#endif
+
+// acc += q . k over D for one key row (16 partial sums in the lanes).
+template <typename T>
+inline __m512 qk_partial(const QueryRow<T>& q, const T* k, int64_t D, __m512 acc) {
+#if defined(__AVX512BF16__)
+  if constexpr (QueryRow<T>::kDp) {
+    for (int64_t c = 0; c < D / 32; ++c)
+      acc = _mm512_dpbf16_ps(acc, q.q[c], (__m512bh)_mm512_loadu_si512((const void*)(k + 32 * c)));
+    return acc;
+  }
+#endif
+  for (int64_t d = 0; d < D; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q.q + d), load16(k + d), acc);
+  return acc;
+}
+
+// scores[g * len + t] = scale * q[g] . k[t] for every t < len.
+template <typename T>
+inline void group_scores(const float* q, int64_t q_stride, int64_t group, const T* keys, const int64_t* offs,
+                         int64_t D, int64_t len, float scale, float* scores) {
+  const __m512 sc = _mm512_set1_ps(scale);
+  const T* rows[16];
+  for (int64_t t0 = 0; t0 < len; t0 += 16) {
+    const int64_t n = len - t0 < 16 ? len - t0 : 16;
+    for (int64_t i = 0; i < n; ++i) rows[i] = keys + offs[t0 + i];
+    // The blocks are scattered over the pool: ask for the next 16 rows now.
+    for (int64_t i = t0 + 16; i < t0 + 32 && i < len; ++i) prefetch_row(keys + offs[i], D);
+    for (int64_t g = 0; g < group; ++g) {
+      QueryRow<T> qr;
+      if constexpr (QueryRow<T>::kDp) {
+#if defined(__AVX512BF16__)
+        const float* qg = q + g * q_stride;
+        for (int64_t c = 0; c < D / 32; ++c)
+          qr.q[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qg + 32 * c + 16), _mm512_loadu_ps(qg + 32 * c));
+#endif
+      } else {
+        qr.q = q + g * q_stride;
+      }
+      __m512 acc[16];
+      for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; ++i) acc[i] = qk_partial(qr, rows[i], D, acc[i]);
+      _mm512_mask_storeu_ps(scores + g * len + t0, first(n), _mm512_mul_ps(transpose_sum16(acc), sc));
+    }
+  }
+}
+
+// s[t] = e^(s[t] - max s) over len; returns the sum.
+inline float exp_shifted(float* s, int64_t len) {
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  for (int64_t t = 0; t < len; t += 16) m = _mm512_mask_max_ps(m, first(len - t), _mm512_loadu_ps(s + t), m);
+  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; t += 16) {
+    const __mmask16 k = first(len - t);
+    const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), mx));
+    _mm512_mask_storeu_ps(s + t, k, e);
+    sum = _mm512_mask_add_ps(sum, k, sum, e);
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+// out[g] = (sum_t p[g][t] v[t]) * inv[g] for heads g < G, D = 16 * NV.
+template <int NV, int G, typename T>
+inline void group_values(const float* p, int64_t len, const T* values, const int64_t* offs, const float* inv,
+                         float* out, int64_t out_stride) {
+  __m512 o[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) o[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < len; ++t) {
+    const T* v = values + offs[t];
+    if (t + 8 < len) prefetch_row(values + offs[t + 8], 16 * NV);
+    __m512 vf[NV];
+    for (int c = 0; c < NV; ++c) vf[c] = load16(v + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * len + t]);
+      for (int c = 0; c < NV; ++c) o[g][c] = _mm512_fmadd_ps(pg, vf[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c)
+      _mm512_storeu_ps(out + g * out_stride + 16 * c, _mm512_mul_ps(o[g][c], _mm512_set1_ps(inv[g])));
+}
+
+// All heads of the group in chunks that keep G * NV accumulators in registers.
+template <int NV, typename T>
+inline void values_chunked(const float* p, int64_t group, int64_t len, const T* values, const int64_t* offs,
+                           const float* inv, float* out, int64_t out_stride) {
+  constexpr int kG = NV <= 6 ? 4 : (NV <= 8 ? 2 : 1);  // <= 24 accumulators + NV value vectors
+  int64_t g = 0;
+  for (; g + kG <= group; g += kG)
+    group_values<NV, kG>(p + g * len, len, values, offs, inv + g, out + g * out_stride, out_stride);
+  for (; g < group; ++g) group_values<NV, 1>(p + g * len, len, values, offs, inv + g, out + g * out_stride, out_stride);
+}
+
+template <typename T>
+inline bool attend_group_avx512(const float* q, int64_t q_stride, int64_t group, const PagedKV<T>& kv,
+                                int64_t kv_head, int64_t len, float scale, float* scores, float* out,
+                                int64_t out_stride) {
+  const int64_t D = kv.head_dim;
+  if (D % 16 != 0 || D > 256 || group > 64) return false;
+  if (QueryRow<T>::kDp && D % 32 != 0) return false;
+  static thread_local std::vector<int64_t> offs;  // each token's row, for this kv head
+  offs.resize(len);
+  kv.rows(len, kv_head, offs.data());
+  group_scores(q, q_stride, group, kv.k, offs.data(), D, len, scale, scores);
+  float inv[64];
+  for (int64_t g = 0; g < group; ++g) inv[g] = 1.f / exp_shifted(scores + g * len, len);
+  const int64_t* o = offs.data();
+  switch (D / 16) {
+    case 4: values_chunked<4>(scores, group, len, kv.v, o, inv, out, out_stride); return true;
+    case 5: values_chunked<5>(scores, group, len, kv.v, o, inv, out, out_stride); return true;
+    case 6: values_chunked<6>(scores, group, len, kv.v, o, inv, out, out_stride); return true;
+    case 8: values_chunked<8>(scores, group, len, kv.v, o, inv, out, out_stride); return true;
+    case 16: values_chunked<16>(scores, group, len, kv.v, o, inv, out, out_stride); return true;
+    default: break;
+  }
+  // Other head sizes: the scalar loop's value pass over the probabilities.
+  for (int64_t g = 0; g < group; ++g) {
+    float* o = out + g * out_stride;
+    for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
+    for (int64_t t = 0; t < len; ++t) axpy(scores[g * len + t] * inv[g], kv.v + kv.row(t, kv_head), o, D);
+  }
+  return true;
+}
+#endif
+
+// out[g] = softmax(scale * q[g] . K^T) V over the first `len` tokens (len >= 1),
+// for the `group` query heads q[0..group) (stride q_stride) that share
+// `kv_head`. scores: group * len floats of scratch. The cache holds T (float
+// or bf16); q, scores and out are float32.
+template <typename T>
+inline void attend_group(const float* q, int64_t q_stride, int64_t group, const PagedKV<T>& kv, int64_t kv_head,
+                         int64_t len, float scale, float* scores, float* out, int64_t out_stride) {
+#if defined(__AVX512F__)
+  if (attend_group_avx512(q, q_stride, group, kv, kv_head, len, scale, scores, out, out_stride)) return;
+#endif
+  attend_group_scalar(q, q_stride, group, kv, kv_head, len, scale, scores, out, out_stride);
+}
+
+}  // namespace pagemill
