@@ -37,7 +37,7 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp"]
+_SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
@@ -113,6 +113,33 @@ class DecodeKernels:
         if rc != 0:
             raise ValueError(f"paged attention: {heads} heads is not a multiple of {kv_heads} kv heads")
         return out
+
+
+class GreedyKernel:
+    """greedy.cpp: argmax and its logprob per row of float32/bfloat16 logits."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pagemill_greedy
+        self._fn.restype = ctypes.c_int
+        i64 = ctypes.c_int64
+        self._fn.argtypes = [ctypes.c_void_p, ctypes.c_int, i64, i64, i64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+
+    def __call__(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """logits [N, V] (unit stride in V) -> (ids int64 [N], logprobs float32 [N]), or None
+        when a row holds a NaN or an infinity (the caller's torch path defines those)."""
+        if logits.dim() != 2 or logits.stride(1) != 1 or logits.dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"greedy kernel takes [N, V] float32/bfloat16 rows, got {logits.dtype} {logits.shape}")
+        n, v = logits.shape
+        ids, lps = torch.empty(n, dtype=torch.int64), torch.empty(n, dtype=torch.float32)
+        rc = self._fn(logits.data_ptr(), int(logits.dtype == torch.bfloat16), n, v, logits.stride(0), ids.data_ptr(),
+                      lps.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return None if rc else (ids, lps)
+
+
+def greedy_kernel() -> GreedyKernel | None:
+    """The process-wide greedy kernel; None where unavailable."""
+    lib = _library()
+    return None if lib is None else _wrapper("greedy", GreedyKernel, lib)
 
 
 def matvec_kernel() -> MatvecKernel | None:

@@ -58,8 +58,10 @@ class SamplerOutput:
 
 
 class Sampler:
-    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None) -> None:
+    def __init__(self, device: torch.device | str = "cpu", seed: int | None = None, greedy=None) -> None:
+        """greedy: a cpu_kernels.GreedyKernel for batches of plain greedy rows on the CPU (None: torch)."""
         self.device = torch.device(device)
+        self.greedy = greedy
         # Draws of unseeded requests. Seeded requests own their generator, so
         # their tokens do not depend on who else is in the batch.
         self.generator = torch.Generator(device=self.device)
@@ -78,6 +80,14 @@ class Sampler:
     ) -> SamplerOutput:
         """logits [N, V], one row per request: one token each. banned: row -> token ids it
         may not draw this step (EOS and stop tokens before min_tokens)."""
+        if self.greedy is not None and mask is None and not banned and logits.device.type == "cpu":
+            if all(r.params.greedy and not r.top_n and not r.params.logit_bias and not r.params.has_penalties
+                   for r in rows):
+                # The common case in one compiled pass (greedy.cpp), the same numbers as below.
+                fast = self.greedy(logits)
+                if fast is not None:
+                    ids, lps = fast
+                    return SamplerOutput(ids.tolist(), lps.tolist(), [[] for _ in rows], [[] for _ in rows])
         shaped = self.shape(logits, rows, mask, banned)
         ids = shaped.masked.argmax(-1)
         sampling = [i for i, r in enumerate(rows) if not r.params.greedy]

@@ -26,6 +26,7 @@ import torch
 from pagemill.attention.backend import select_backend
 from pagemill.attention.kv_dtype import check_kv_dtype, kv_dtype_name, parse_kv_cache_dtype
 from pagemill.config import ShardConfig
+from pagemill.cpu_kernels import greedy_kernel
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.auto_dtype import resolve_dtype
@@ -70,7 +71,9 @@ class ModelRunner:
         draft: DraftProposer | None = None,
         cuda_graphs: bool = True,
         kv_cache_dtype: str = "auto",
+        cpu_kernels: bool = False,
     ) -> None:
+        """cpu_kernels: sample plain greedy batches with the compiled kernel (cpu_kernels/greedy.cpp)."""
         self.model, self.config = model, config
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
@@ -81,7 +84,8 @@ class ModelRunner:
         self.group = model.group
         self.model_id, self.rank, self.world_size = model_id, self.group.rank, self.group.world_size
         # All ranks draw unseeded requests from one shared seed, so they sample alike.
-        self.sampler = Sampler(self.device, seed=self.group.shared_seed())
+        greedy = greedy_kernel() if cpu_kernels and self.device.type == "cpu" else None
+        self.sampler = Sampler(self.device, seed=self.group.shared_seed(), greedy=greedy)
         self.eos_ids = frozenset(config.eos_token_ids)
         self.pool: KVPool | None = None
         self.requests: dict[int, RequestState] = {}  # what the shard holds per request id, between steps
@@ -134,6 +138,7 @@ class ModelRunner:
             draft=draft,
             cuda_graphs=cfg.cuda_graphs,
             kv_cache_dtype=cfg.kv_cache_dtype,
+            cpu_kernels=cfg.cpu_kernels,
         )
 
     # --- static facts and liveness -------------------------------------------------
