@@ -207,3 +207,23 @@ def test_bf16_fused_tracks_float32_on_default_model(default_model_dir):
     # Measured: fused 0.6-1.6e-2, module path 0.8-2.1e-2 (relative max error per step).
     assert max(errs["fused"]) < 3e-2, errs
     assert sum(errs["fused"]) < 1.2 * sum(errs["module"]), errs
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (64, 576), (3, 17), (300, 96)])
+def test_bf16_rms_norm_kernel_matches_the_torch_casts(rows, hidden):
+    from pagemill.cpu_kernels import norm_kernel
+    from pagemill.models.layers import RMSNorm
+
+    g = torch.Generator().manual_seed(rows + hidden)
+    norm = RMSNorm(hidden, 1e-5).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(hidden, generator=g) * 0.5 + 1)
+    x = (torch.randn(rows, hidden + 8, generator=g) * 3).bfloat16()[:, :hidden]  # strided rows
+    ref = norm(x)  # torch: no kernel set
+    norm.kernel = norm_kernel()
+    assert norm.kernel is not None and norm.kernel.applies(x, norm.weight)
+    out = norm(x)
+    # The sum of squares is added in another order than torch's: at most one bf16 ulp apart, rarely.
+    diff = (out.float() - ref.float()).abs()
+    assert (diff <= ref.float().abs() * 2**-7 + 1e-6).all()
+    assert (diff > 0).float().mean() < 0.01

@@ -37,7 +37,8 @@ import torch
 log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
-_SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp"]
+_SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
+            _DIR / "norm.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
@@ -134,6 +135,34 @@ class GreedyKernel:
         rc = self._fn(logits.data_ptr(), int(logits.dtype == torch.bfloat16), n, v, logits.stride(0), ids.data_ptr(),
                       lps.data_ptr(), torch.get_num_threads())  # fmt: skip
         return None if rc else (ids, lps)
+
+
+class NormKernel:
+    """norm.cpp: RMSNorm of bfloat16 rows with Hugging Face's casts."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pagemill_rms_norm_bf16
+        self._fn.restype = None
+        i64 = ctypes.c_int64
+        self._fn.argtypes = [ctypes.c_void_p, i64, i64, i64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
+                             ctypes.c_int]  # fmt: skip
+
+    def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
+                and x.stride(1) == 1 and weight.is_contiguous() and x.shape[1] == weight.shape[0])  # fmt: skip
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x [N, H] bf16 (unit stride in H), weight [H] bf16 -> [N, H] bf16."""
+        out = torch.empty(x.shape, dtype=x.dtype)
+        self._fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), eps, out.data_ptr(),
+                 torch.get_num_threads())  # fmt: skip
+        return out
+
+
+def norm_kernel() -> NormKernel | None:
+    """The process-wide RMSNorm kernel; None where unavailable."""
+    lib = _library()
+    return None if lib is None else _wrapper("norm", NormKernel, lib)
 
 
 def greedy_kernel() -> GreedyKernel | None:

@@ -19,12 +19,16 @@ from pagemill.parallel.partition import Range
 
 
 class RMSNorm(nn.Module):
+    kernel = None  # cpu_kernels.NormKernel for bf16 rows on the CPU, set by pack_weights
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and self.kernel.applies(x, self.weight):
+            return self.kernel(x, self.weight, self.eps)  # the arithmetic below, in one pass
         if x.dtype == torch.float32:
             # The same arithmetic as below in one fused kernel (fewer ops per
             # decode step; float32 needs none of the casts).

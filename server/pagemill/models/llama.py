@@ -174,10 +174,15 @@ class LlamaForCausalLM(nn.Module):
         single-token fused decode (see fused_decode); call after loading."""
         n = pack_all(self, cpu_kernels)
         self.model.fused = None
+        norm = None
         if cpu_kernels:
-            from pagemill.cpu_kernels import decode_kernels
+            from pagemill.cpu_kernels import decode_kernels, norm_kernel
 
             self.model.fused = FusedDecoder.build(self, decode_kernels())
+            norm = norm_kernel() if self.lm_head.weight.device.type == "cpu" else None
+        for m in self.modules():
+            if type(m) is RMSNorm:  # subclasses (other norms) compute their own way
+                m.kernel = norm
         return n
 
     @property
