@@ -10,6 +10,7 @@ import torch
 from pagemill.attention.backend import select_backend
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
+from pagemill.cpu_kernels import decode_kernels
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64
@@ -33,14 +34,14 @@ def naive_attention(q, k, v, cached: int, scale: float) -> torch.Tensor:
 class Setup:
     """Random sequences stored in a cache under shuffled block tables."""
 
-    def __init__(self, head_dim: int, ratio: int, dtype=torch.float32, seed: int = 0) -> None:
+    def __init__(self, head_dim: int, ratio: int, dtype=torch.float32, seed: int = 0, kernels: bool = False) -> None:
         self.g = torch.Generator().manual_seed(seed)
         self.heads, self.head_dim, self.dtype = KV_HEADS * ratio, head_dim, dtype
         shape = (NUM_BLOCKS, BLOCK_SIZE, KV_HEADS, head_dim)
         self.k_cache, self.v_cache = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
         self.free = list(range(1, NUM_BLOCKS))
         random.Random(seed).shuffle(self.free)
-        self.backend = TorchAttentionBackend()
+        self.backend = TorchAttentionBackend(decode_kernels() if kernels else None)
 
     def rand(self, *shape):
         return torch.randn(*shape, generator=self.g).to(self.dtype)
@@ -54,10 +55,13 @@ class Setup:
         self.backend.write_kv(k, v, self.k_cache, self.v_cache, torch.tensor(slots, dtype=torch.int64))
 
 
+@pytest.mark.parametrize("kernels", [False, True], ids=["torch", "compiled"])
 @pytest.mark.parametrize("ratio", [1, 3, 8])
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_prefill_matches_naive(ratio, head_dim):
-    s = Setup(head_dim, ratio)
+def test_prefill_matches_naive(ratio, head_dim, kernels):
+    if kernels and decode_kernels() is None:
+        pytest.skip("no compiled CPU kernels here")
+    s = Setup(head_dim, ratio, kernels=kernels)
     scale = head_dim**-0.5
     # (cached prefix, new tokens): fresh prompts, cached prefixes aligned and not, a 1-token suffix
     shapes = [(0, 17), (9, 5), (16, 1), (3, 30), (0, 1)]

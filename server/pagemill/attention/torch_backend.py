@@ -39,6 +39,12 @@ class TorchAttentionBackend:
         write_rows(v_cache.view(-1, kv_heads, head_dim), slot_mapping, v)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        if self.kernels is not None and meta.max_seqlen_q <= KERNEL_PREFILL_MAX_ROWS and _kernel_applies(
+                q, k_cache, v_cache, meta):
+            # Every new token as a one-token query over its sequence's cache up to
+            # itself (written above): one compiled call for the whole step.
+            tables, lens = _token_rows(meta)
+            return self.kernels.paged_attention(q, k_cache, v_cache, tables, lens, scale)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         # A mixed step: the one-token rows (decode tokens next to prompt
@@ -93,6 +99,12 @@ class TorchAttentionBackend:
         return out.reshape(batch, kv_heads * group, head_dim)
 
 
+# Prompt chunks up to this many tokens attend through the compiled kernel, one
+# query row per token; longer ones keep SDPA, whose blocked GEMMs reuse each
+# key across many queries (measured: benchmarks/decode_kernels.py, docs/cpu.md).
+KERNEL_PREFILL_MAX_ROWS = 1024
+
+
 def _single_rows(meta: AttentionMetadata):
     """(packed row of each one-token sequence, their decode metadata), or None
     when fewer than two sequences have one token; built once per forward."""
@@ -120,6 +132,20 @@ def _single_rows(meta: AttentionMetadata):
         )
     meta.derived["singles"] = result
     return result
+
+
+def _token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per new token: its sequence's block table and its causal context length
+    (cached + 1 + its index among the sequence's new tokens); built once per forward."""
+    if "token_rows" not in meta.derived:
+        device = meta.block_tables.device
+        seq = torch.repeat_interleave(torch.arange(len(meta.query_lens), device=device),
+                                      torch.tensor(meta.query_lens, device=device))  # fmt: skip
+        first = torch.tensor([total - n + 1 for n, total in zip(meta.query_lens, meta.kv_lens)], device=device)
+        offset = torch.arange(len(seq), device=device) - meta.cu_seqlens_q[:-1].long()[seq]
+        lens = (first[seq] + offset).to(torch.int32)
+        meta.derived["token_rows"] = meta.block_tables.index_select(0, seq).contiguous(), lens
+    return meta.derived["token_rows"]
 
 
 def _kernel_applies(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:

@@ -35,6 +35,7 @@ import httpx
 from pagemill.bench import compare_report as rep
 from pagemill.bench.datasets import uniform_dataset
 from pagemill.bench.load import LoadConfig, run_load, warm
+from pagemill.bench import server_probe as probe
 from pagemill.bench.metrics import compute_metrics
 from pagemill.bench.peer_configs import MODEL_NAME, ServerConfig, select
 
@@ -171,8 +172,10 @@ def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs
         asyncio.run(warm(cfg, warm_reqs[0], n=2))
         asyncio.run(run_load(warm_reqs, cfg, desc="warm-up"))  # warms the batched paths too
         out["rss_mib"] = server.rss_mib()
+        before = _counters(cfg.base_url)
         records, duration = asyncio.run(run_load(main_reqs, cfg, desc=f"{config.name} c={a.concurrency}"))
         main, check = measure(records, main_reqs, duration)
+        out["steps"] = _step_accounting(before, _counters(cfg.base_url))
         out["rss_after_mib"] = server.rss_mib()
         b1cfg = LoadConfig(**{**cfg.__dict__, "max_concurrency": 1})
         records, duration = asyncio.run(run_load(b1_reqs, b1cfg, desc=f"{config.name} batch-1"))
@@ -189,6 +192,23 @@ def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs
         "rss_mib": out["rss_mib"], "tokens_ok": check.ok and b1check.ok, "token_note": note,
     }  # fmt: skip
     return out
+
+
+def _counters(base_url: str) -> dict[str, float] | None:
+    try:
+        return probe.scrape(base_url)
+    except Exception:  # a peer without /metrics: no step accounting for it
+        return None
+
+
+def _step_accounting(before, after) -> dict | None:
+    """Where the c=N run's decode steps went, for servers exposing pagemill's counters."""
+    if not before or not after or probe.STEPS not in after:
+        return None
+    o = probe.overhead_between(before, after).to_dict()
+    gen = after.get(probe.GENERATED, 0.0) - before.get(probe.GENERATED, 0.0)
+    o["mean_tokens_per_step"] = gen / o["decode_steps"] if o["decode_steps"] else 0.0
+    return o
 
 
 def _requests(a, tok):

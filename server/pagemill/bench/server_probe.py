@@ -17,6 +17,7 @@ import httpx
 FORWARD = "pagemill_decode_forward_seconds_total"
 STEP = "pagemill_decode_step_seconds_total"
 STEPS = "pagemill_decode_steps_total"
+GENERATED = "pagemill_generated_tokens_total"
 
 
 def scrape(base_url: str) -> dict[str, float]:

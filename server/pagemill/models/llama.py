@@ -179,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             from pagemill.cpu_kernels import decode_kernels, norm_kernel
 
             self.model.fused = FusedDecoder.build(self, decode_kernels())
-            norm = norm_kernel() if self.lm_head.weight.device.type == "cpu" else None
+            norm = norm_kernel() if self.model.embed_tokens.weight.device.type == "cpu" else None
         for m in self.modules():
             if type(m) is RMSNorm:  # subclasses (other norms) compute their own way
                 m.kernel = norm
