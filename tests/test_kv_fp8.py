@@ -20,6 +20,7 @@ from pagemill.attention import kv_dtype
 from pagemill.attention.kv_dtype import check_kv_dtype, kv_dtype_name, parse_kv_cache_dtype, quantize, write_rows
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
+from pagemill.cpu_kernels import DecodeKernels, build_library, decode_kernels
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
 from pagemill.shard.engine import ModelRunner
@@ -100,6 +101,16 @@ def test_fp8_decode_and_prefill_match_full_precision(dtype):
     out = backend.decode(q, *fp8, meta, scale)
     assert out.dtype == torch.float32 and torch.isfinite(out).all()
     errors["decode"] = _rel(out, ref)
+    kernels = decode_kernels()
+    # The compiled kernel widens fp8 exactly too (float rounding apart), and so does its portable build.
+    builds = [] if kernels is None else [kernels, DecodeKernels(build_library(("-mno-avx512f",)))]
+    for kernels in builds:
+        for q_dtype in (torch.float32, torch.bfloat16):
+            fast = TorchAttentionBackend(kernels).decode(q.to(q_dtype), *fp8, meta, scale)
+            assert fast.dtype == q_dtype
+            slow = backend.decode(q.to(q_dtype).float(), *fp8, meta, scale)
+            torch.testing.assert_close(fast.float(), slow, rtol=1e-5 if q_dtype == torch.float32 else 2**-7,
+                                       atol=1e-5 if q_dtype == torch.float32 else 1e-2)  # fmt: skip
     # Prefill with cached prefixes: the prefix is read back from the fp8 pool.
     q, k, v, full, fp8, meta = _case(dtype, [(20, 5), (33, 12), (0, 9)], seed=1)
     ref = backend.prefill(q, k, v, *full, meta, scale)

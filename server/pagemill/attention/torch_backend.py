@@ -20,8 +20,8 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from pagemill.attention.kv_dtype import write_rows
-from pagemill.cpu_kernels import DecodeKernels
+from pagemill.attention.kv_dtype import KV_SCALE, write_rows
+from pagemill.cpu_kernels import FP8_CACHE, DecodeKernels
 from pagemill.attention.metadata import AttentionMetadata
 
 
@@ -39,8 +39,9 @@ class TorchAttentionBackend:
         write_rows(v_cache.view(-1, kv_heads, head_dim), slot_mapping, v)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.kernels is not None and meta.max_seqlen_q <= KERNEL_PREFILL_MAX_ROWS and _kernel_applies(
-                q, k_cache, v_cache, meta):
+        # (Not over fp8 pools: there the new tokens attend to their exact k/v, as below.)
+        if self.kernels is not None and meta.max_seqlen_q <= KERNEL_PREFILL_MAX_ROWS and k_cache.dtype == q.dtype \
+                and _kernel_applies(q, k_cache, v_cache, meta):
             # Every new token as a one-token query over its sequence's cache up to
             # itself (written above): one compiled call for the whole step.
             tables, lens = _token_rows(meta)
@@ -151,7 +152,8 @@ def _token_rows(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 def _kernel_applies(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
     return (
         q.device.type == "cpu"
-        and q.dtype == k_cache.dtype == v_cache.dtype
+        and k_cache.dtype == v_cache.dtype
+        and (q.dtype == k_cache.dtype or (k_cache.dtype in FP8_CACHE and KV_SCALE == 1.0))
         and q.dtype in (torch.float32, torch.bfloat16)
         and q.stride(2) == 1
         and q.stride(1) == q.shape[2]

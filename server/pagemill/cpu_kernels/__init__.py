@@ -45,6 +45,9 @@ _lock = threading.Lock()
 _state: dict[str, object] = {}
 
 
+# fp8 pools the attention kernel reads (decode.cpp's fp8 codes).
+FP8_CACHE = {torch.float8_e4m3fn: 0, torch.float8_e5m2: 1}
+
 # How the bf16 kernels multiply (bf16_rows.h's Bf16Mul); AUTO: the measured default.
 BF16_MUL = {"auto": -1, "dpbf16": 0, "widen": 1}
 
@@ -98,19 +101,25 @@ class DecodeKernels:
         self.attention_bf16 = lib.pagemill_paged_attention_bf16
         self.attention_bf16.restype = ctypes.c_int
         self.attention_bf16.argtypes = self.attention.argtypes
+        self.attention_fp8 = lib.pagemill_paged_attention_fp8
+        self.attention_fp8.restype = ctypes.c_int
+        self.attention_fp8.argtypes = [vp, ctypes.c_int, ctypes.c_int] + self.attention.argtypes[1:]
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
         """q [B, heads, head_dim] float32 or bfloat16 (heads contiguous), caches [blocks, block_size,
-        kv_heads, head_dim] of q's dtype, contiguous, block_tables [B, W] / context_lens [B] int32
+        kv_heads, head_dim] of q's dtype or fp8 (FP8_CACHE), contiguous, block_tables [B, W] / context_lens [B] int32
         contiguous -> [B, heads, head_dim] of q's dtype (float32 arithmetic either way)."""
         b, heads, d = q.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         out = torch.empty((b, heads, d), dtype=q.dtype)
-        fn = self.attention_bf16 if q.dtype == torch.bfloat16 else self.attention
-        rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                            block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
-                            b, heads, kv_heads, d, block_size, scale, torch.get_num_threads())  # fmt: skip
+        args = (q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
+                context_lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, d, block_size, scale,
+                torch.get_num_threads())  # fmt: skip
+        if k_cache.dtype in FP8_CACHE:  # entries widened exactly: the pool's scale is 1 (kv_dtype.KV_SCALE)
+            rc = self.attention_fp8(q.data_ptr(), int(q.dtype == torch.bfloat16), FP8_CACHE[k_cache.dtype], *args)
+        else:
+            rc = (self.attention_bf16 if q.dtype == torch.bfloat16 else self.attention)(q.data_ptr(), *args)
         if rc != 0:
             raise ValueError(f"paged attention: {heads} heads is not a multiple of {kv_heads} kv heads")
         return out

@@ -222,8 +222,9 @@ int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, 
 // q: token b's heads at q + b * q_stride (heads contiguous, D apart);
 // out [B, nh, D]; block_tables [B, width] int32; context_lens [B] int32.
 // q, out and the caches hold T; the arithmetic is float32.
-template <typename T>
-int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
+// C: the cache's element type (T, or fp8 read through vec.h's to_float).
+template <typename T, typename C = T>
+int paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                     int64_t width, const int32_t* context_lens, T* out, int64_t B, int64_t nh, int64_t nkv,
                     int64_t D, int64_t bs, float scale, int threads) {
   if (nkv <= 0 || nh % nkv != 0) return 1;
@@ -242,7 +243,7 @@ int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_c
           continue;
         }
         scores.resize(group * len);
-        const PagedKV<T> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
+        const PagedKV<C> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
         if constexpr (std::is_same_v<T, float>) {
           attend_group(qg, D, group, kv, j, len, scale, scores.data(), o, D);
         } else {  // widen this group's queries, narrow its outputs
@@ -289,6 +290,24 @@ int pagemill_paged_attention(const float* q, int64_t q_stride, const float* k_ca
                              int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int threads) {
   return paged_attention<float>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
                                 bs, scale, threads);
+}
+
+// An fp8 cache (fp8: 0 e4m3fn, 1 e5m2) under float32 (q_bf16 0) or bf16 (1) queries
+// and outputs, its entries widened exactly (scale 1, attention/kv_dtype.py).
+int pagemill_paged_attention_fp8(const void* q, int q_bf16, int fp8, int64_t q_stride, const void* k_cache,
+                                 const void* v_cache, const int32_t* block_tables, int64_t width,
+                                 const int32_t* context_lens, void* out, int64_t B, int64_t nh, int64_t nkv,
+                                 int64_t D, int64_t bs, float scale, int threads) {
+  using pagemill::fp8e4m3;
+  using pagemill::fp8e5m2;
+#define PAGEMILL_FP8_CALL(T, C)                                                                              \
+  return paged_attention<T, C>((const T*)q, q_stride, (const C*)k_cache, (const C*)v_cache, block_tables, width, \
+                               context_lens, (T*)out, B, nh, nkv, D, bs, scale, threads)
+  if (q_bf16 && fp8 == 0) PAGEMILL_FP8_CALL(bf16, fp8e4m3);
+  if (q_bf16) PAGEMILL_FP8_CALL(bf16, fp8e5m2);
+  if (fp8 == 0) PAGEMILL_FP8_CALL(float, fp8e4m3);
+  PAGEMILL_FP8_CALL(float, fp8e5m2);
+#undef PAGEMILL_FP8_CALL
 }
 
 int pagemill_paged_attention_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,

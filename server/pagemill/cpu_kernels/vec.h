@@ -16,7 +16,33 @@ struct bf16 {
   uint16_t bits;
 };
 
+// fp8 KV cache entries (--kv-cache-dtype, attention/kv_dtype.py), read only:
+// e4m3fn (bias 7, no infinities) and e5m2 (the top byte of an IEEE half).
+// Stored with a saturating cast, so never NaN or infinite here.
+struct fp8e4m3 {
+  uint8_t bits;
+};
+struct fp8e5m2 {
+  uint8_t bits;
+};
+
 inline float to_float(float v) { return v; }
+// e4m3 -> float: exponent and mantissa moved into float32's fields as they
+// are, then scaled by 2^(127 - 7); the scaling also turns e4m3's subnormals
+// (exponent 0) into the right values, from float32's own subnormals.
+inline float to_float(fp8e4m3 v) {
+  const uint32_t u = ((uint32_t)(v.bits & 0x7f) << 20) | ((uint32_t)(v.bits & 0x80) << 24);
+  float f;
+  memcpy(&f, &u, 4);
+  return f * 0x1p120f;
+}
+// e5m2 -> float the same way: 2^(127 - 15).
+inline float to_float(fp8e5m2 v) {
+  const uint32_t u = ((uint32_t)(v.bits & 0x7f) << 21) | ((uint32_t)(v.bits & 0x80) << 24);
+  float f;
+  memcpy(&f, &u, 4);
+  return f * 0x1p112f;
+}
 inline float to_float(bf16 v) {
   const uint32_t u = (uint32_t)v.bits << 16;
   float f;
@@ -73,6 +99,40 @@ inline __m512 load16(const bf16* p, int64_t n = 16) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));  // bf16 -> f32 is a shift
 }
 #endif
+
+#if defined(__AVX512F__)
+// 16 fp8 entries (or the first n) widened to float32, as to_float above.
+template <int kMantShift, uint32_t kScaleBits>
+inline __m512 load16_fp8(const uint8_t* p, int64_t n) {
+  const __m128i raw = n >= 16 ? _mm_loadu_si128((const __m128i*)p) : _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), p);
+  const __m512i b = _mm512_cvtepu8_epi32(raw);
+  const __m512i mag = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x7f)), kMantShift);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(b, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(mag, sign)), _mm512_castsi512_ps(_mm512_set1_epi32(kScaleBits)));
+}
+inline __m512 load16(const fp8e4m3* p, int64_t n = 16) {
+  return load16_fp8<20, 0x7b800000u>((const uint8_t*)p, n);  // 2^120
+}
+inline __m512 load16(const fp8e5m2* p, int64_t n = 16) {
+  return load16_fp8<21, 0x77800000u>((const uint8_t*)p, n);  // 2^112
+}
+#endif
+
+// sum_k x[k] * w[k] for fp8 w (KV cache rows), in float32.
+template <typename F8>
+inline float dot_fp8(const float* x, const F8* w, int64_t K) {
+#if defined(__AVX512F__)
+  __m512 s = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) s = _mm512_fmadd_ps(load16(x + k, K - k), load16(w + k, K - k), s);
+  return _mm512_reduce_add_ps(s);
+#else
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s += x[k] * to_float(w[k]);
+  return s;
+#endif
+}
+inline float dot(const float* x, const fp8e4m3* w, int64_t K) { return dot_fp8(x, w, K); }
+inline float dot(const float* x, const fp8e5m2* w, int64_t K) { return dot_fp8(x, w, K); }
 
 // sum_k x[k] * w[k] for bfloat16 w, in float32 (natural order, widened 16 at a time).
 inline float dot(const float* x, const bf16* w, int64_t K) {
