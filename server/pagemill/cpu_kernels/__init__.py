@@ -88,7 +88,7 @@ class DecodeKernels:
         vp, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self.layer = lib.pagemill_decode_layer
         self.layer.restype = ctypes.c_int
-        self.layer.argtypes = [vp, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp, ctypes.c_int]
+        self.layer.argtypes = [vp, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp, i64, ctypes.c_int]
         self.layer_bf16 = lib.pagemill_decode_layer_bf16
         self.layer_bf16.restype = ctypes.c_int
         self.layer_bf16.argtypes = self.layer.argtypes + [ctypes.c_int]
@@ -97,7 +97,7 @@ class DecodeKernels:
         self.layer_max_rows = int(lib.pagemill_decode_layer_max_rows())
         self.attention = lib.pagemill_paged_attention
         self.attention.restype = ctypes.c_int
-        self.attention.argtypes = [vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [f32, ctypes.c_int]
+        self.attention.argtypes = [vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [f32, i64, ctypes.c_int]
         self.attention_bf16 = lib.pagemill_paged_attention_bf16
         self.attention_bf16.restype = ctypes.c_int
         self.attention_bf16.argtypes = self.attention.argtypes
@@ -106,15 +106,17 @@ class DecodeKernels:
         self.attention_fp8.argtypes = [vp, ctypes.c_int, ctypes.c_int] + self.attention.argtypes[1:]
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                        window: int | None = None) -> torch.Tensor:
         """q [B, heads, head_dim] float32 or bfloat16 (heads contiguous), caches [blocks, block_size,
         kv_heads, head_dim] of q's dtype or fp8 (FP8_CACHE), contiguous, block_tables [B, W] / context_lens [B] int32
-        contiguous -> [B, heads, head_dim] of q's dtype (float32 arithmetic either way)."""
+        contiguous -> [B, heads, head_dim] of q's dtype (float32 arithmetic either way).
+        window: each query sees only its last `window` keys (a sliding-window layer)."""
         b, heads, d = q.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         out = torch.empty((b, heads, d), dtype=q.dtype)
         args = (q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
-                context_lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, d, block_size, scale,
+                context_lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, d, block_size, scale, window or 0,
                 torch.get_num_threads())  # fmt: skip
         if k_cache.dtype in FP8_CACHE:  # entries widened exactly: the pool's scale is 1 (kv_dtype.KV_SCALE)
             rc = self.attention_fp8(q.data_ptr(), int(q.dtype == torch.bfloat16), FP8_CACHE[k_cache.dtype], *args)

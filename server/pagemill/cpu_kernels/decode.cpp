@@ -40,6 +40,7 @@ using pagemill::attend_group;
 using pagemill::bf16;
 using pagemill::Bf16Mul;
 using pagemill::dot;
+using pagemill::first_key;
 using pagemill::from_float;
 using pagemill::PagedKV;
 using pagemill::to_float;
@@ -149,11 +150,13 @@ enum Dim { kHidden, kHeads, kKvHeads, kHeadDim, kInter, kBlockSize, kNumDims };
 // x [B, H]: the float32 residual stream, updated in place. ptrs: T pointers as
 // int64 (bias entries may be 0). cos/sin [B, D] float32. Token b's k/v are
 // written at flat slot slots[b] before attention reads the first lens[b] rows
-// of its sequence (block_tables [B, width]; lens include the new token).
+// of its sequence (block_tables [B, width]; lens include the new token), or
+// only the last `window` of them (a sliding-window layer; 0: all).
 template <typename T>
 int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
                  const float* cos, const float* sin, T* k_cache, T* v_cache, const int32_t* block_tables,
-                 int64_t width, const int32_t* lens, const int64_t* slots, int threads, Bf16Mul mul) {
+                 int64_t width, const int32_t* lens, const int64_t* slots, int64_t window, int threads,
+                 Bf16Mul mul) {
   auto p = [ptrs](Ptr i) { return reinterpret_cast<const T*>(ptrs[i]); };
   const int64_t H = dims[kHidden], nh = dims[kHeads], nkv = dims[kKvHeads], D = dims[kHeadDim];
   const int64_t I = dims[kInter], bs = dims[kBlockSize];
@@ -201,7 +204,8 @@ int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, 
           vc[d] = from_float<T>(v[d]);
         }
         const PagedKV<T> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
-        attend_group(q, D, group, kv, j, lens[b], scale, scores + (b * nh + j * group) * max_len,
+        attend_group(q, D, group, kv, j, first_key(lens[b], window), lens[b], scale,
+                     scores + (b * nh + j * group) * max_len,
                      attn + b * nq + j * group * D, D);
       }
     }
@@ -220,13 +224,14 @@ int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, 
 
 // Attention of B single-token queries against their paged caches.
 // q: token b's heads at q + b * q_stride (heads contiguous, D apart);
-// out [B, nh, D]; block_tables [B, width] int32; context_lens [B] int32.
+// out [B, nh, D]; block_tables [B, width] int32; context_lens [B] int32; window > 0:
+// each query sees only its last `window` keys.
 // q, out and the caches hold T; the arithmetic is float32.
 // C: the cache's element type (T, or fp8 read through vec.h's to_float).
 template <typename T, typename C = T>
 int paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                     int64_t width, const int32_t* context_lens, T* out, int64_t B, int64_t nh, int64_t nkv,
-                    int64_t D, int64_t bs, float scale, int threads) {
+                    int64_t D, int64_t bs, float scale, int64_t window, int threads) {
   if (nkv <= 0 || nh % nkv != 0) return 1;
   const int64_t group = nh / nkv;
 #pragma omp parallel num_threads(threads)
@@ -242,13 +247,14 @@ int paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_c
           memset(o, 0, group * D * sizeof(T));
           continue;
         }
-        scores.resize(group * len);
+        const int64_t first = first_key(len, window);
+        scores.resize(group * (len - first));
         const PagedKV<C> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
         if constexpr (std::is_same_v<T, float>) {
-          attend_group(qg, D, group, kv, j, len, scale, scores.data(), o, D);
+          attend_group(qg, D, group, kv, j, first, len, scale, scores.data(), o, D);
         } else {  // widen this group's queries, narrow its outputs
           for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qg[i]);
-          attend_group(qf.data(), D, group, kv, j, len, scale, scores.data(), of.data(), D);
+          attend_group(qf.data(), D, group, kv, j, first, len, scale, scores.data(), of.data(), D);
           for (int64_t i = 0; i < group * D; ++i) o[i] = from_float<T>(of[i]);
         }
       }
@@ -269,9 +275,9 @@ int pagemill_decode_layer_max_rows() { return kMaxLayerRows; }
 int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
                           const float* cos, const float* sin, float* k_cache, float* v_cache,
                           const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
-                          int threads) {
+                          int64_t window, int threads) {
   return decode_layer<float>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-                             slots, threads, Bf16Mul::kWiden);
+                             slots, window, threads, Bf16Mul::kWiden);
 }
 
 // decode_layer<bf16>: ptrs and caches bfloat16, x and cos/sin float32; mul: -1
@@ -279,17 +285,18 @@ int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_
 int pagemill_decode_layer_bf16(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps,
                                float scale, const float* cos, const float* sin, bf16* k_cache, bf16* v_cache,
                                const int32_t* block_tables, int64_t width, const int32_t* lens,
-                               const int64_t* slots, int threads, int mul) {
+                               const int64_t* slots, int64_t window, int threads, int mul) {
   const Bf16Mul m = pagemill::usable(mul < 0 ? pagemill::choose_mul(B) : (Bf16Mul)mul);
   return decode_layer<bf16>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-                            slots, threads, m);
+                            slots, window, threads, m);
 }
 
 int pagemill_paged_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                              const int32_t* block_tables, int64_t width, const int32_t* context_lens, float* out,
-                             int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int threads) {
+                             int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int64_t window,
+                             int threads) {
   return paged_attention<float>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
-                                bs, scale, threads);
+                                bs, scale, window, threads);
 }
 
 // An fp8 cache (fp8: 0 e4m3fn, 1 e5m2) under float32 (q_bf16 0) or bf16 (1) queries
@@ -297,12 +304,12 @@ int pagemill_paged_attention(const float* q, int64_t q_stride, const float* k_ca
 int pagemill_paged_attention_fp8(const void* q, int q_bf16, int fp8, int64_t q_stride, const void* k_cache,
                                  const void* v_cache, const int32_t* block_tables, int64_t width,
                                  const int32_t* context_lens, void* out, int64_t B, int64_t nh, int64_t nkv,
-                                 int64_t D, int64_t bs, float scale, int threads) {
+                                 int64_t D, int64_t bs, float scale, int64_t window, int threads) {
   using pagemill::fp8e4m3;
   using pagemill::fp8e5m2;
 #define PAGEMILL_FP8_CALL(T, C)                                                                              \
   return paged_attention<T, C>((const T*)q, q_stride, (const C*)k_cache, (const C*)v_cache, block_tables, width, \
-                               context_lens, (T*)out, B, nh, nkv, D, bs, scale, threads)
+                               context_lens, (T*)out, B, nh, nkv, D, bs, scale, window, threads)
   if (q_bf16 && fp8 == 0) PAGEMILL_FP8_CALL(bf16, fp8e4m3);
   if (q_bf16) PAGEMILL_FP8_CALL(bf16, fp8e5m2);
   if (fp8 == 0) PAGEMILL_FP8_CALL(float, fp8e4m3);
@@ -313,8 +320,8 @@ int pagemill_paged_attention_fp8(const void* q, int q_bf16, int fp8, int64_t q_s
 int pagemill_paged_attention_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
                                   const int32_t* block_tables, int64_t width, const int32_t* context_lens, bf16* out,
                                   int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale,
-                                  int threads) {
+                                  int64_t window, int threads) {
   return paged_attention<bf16>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
-                               bs, scale, threads);
+                               bs, scale, window, threads);
 }
 }

@@ -43,25 +43,26 @@ struct PagedKV {
     return ((block * block_size + t % block_size) * kv_heads + kv_head) * head_dim;
   }
 
-  // rows[t] = row(t, kv_head) for t < len, block by block (no division per token).
-  inline void rows(int64_t len, int64_t kv_head, int64_t* out) const {
+  // out[t - first] = row(t, kv_head) for first <= t < len, block by block (no division per token).
+  inline void rows(int64_t first, int64_t len, int64_t kv_head, int64_t* out) const {
     const int64_t stride = kv_heads * head_dim;
-    for (int64_t t0 = 0, b = 0; t0 < len; t0 += block_size, ++b) {
+    for (int64_t t = first; t < len;) {
+      const int64_t b = t / block_size, i0 = t % block_size;
       const int64_t base = (int64_t)block_table[b] * block_size * stride + kv_head * head_dim;
-      const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-      for (int64_t i = 0; i < n; ++i) out[t0 + i] = base + i * stride;
+      const int64_t end = (b + 1) * block_size < len ? (b + 1) * block_size : len;
+      for (int64_t i = i0; t < end; ++i, ++t) out[t - first] = base + i * stride;
     }
   }
 };
 
-// The portable loop: out[g] = softmax(scale * q[g] . K^T) V over `len` tokens.
+// The portable loop: out[g] = softmax(scale * q[g] . K^T) V over tokens first..len-1.
 template <typename T>
 inline void attend_group_scalar(const float* q, int64_t q_stride, int64_t group, const PagedKV<T>& kv,
-                                int64_t kv_head, int64_t len, float scale, float* scores, float* out,
-                                int64_t out_stride) {
-  const int64_t D = kv.head_dim;
+                                int64_t kv_head, int64_t first, int64_t len_end, float scale, float* scores,
+                                float* out, int64_t out_stride) {
+  const int64_t D = kv.head_dim, len = len_end - first;
   for (int64_t t = 0; t < len; ++t) {
-    const T* k = kv.k + kv.row(t, kv_head);
+    const T* k = kv.k + kv.row(first + t, kv_head);
     for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q + g * q_stride, k, D) * scale;
   }
   for (int64_t g = 0; g < group; ++g) {
@@ -76,7 +77,7 @@ inline void attend_group_scalar(const float* q, int64_t q_stride, int64_t group,
     for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
   }
   for (int64_t t = 0; t < len; ++t) {
-    const T* v = kv.v + kv.row(t, kv_head);
+    const T* v = kv.v + kv.row(first + t, kv_head);
     for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, out + g * out_stride, D);
   }
 }
@@ -228,14 +229,14 @@ inline void values_chunked(const float* p, int64_t group, int64_t len, const T* 
 
 template <typename T>
 inline bool attend_group_avx512(const float* q, int64_t q_stride, int64_t group, const PagedKV<T>& kv,
-                                int64_t kv_head, int64_t len, float scale, float* scores, float* out,
-                                int64_t out_stride) {
-  const int64_t D = kv.head_dim;
+                                int64_t kv_head, int64_t first, int64_t len_end, float scale, float* scores,
+                                float* out, int64_t out_stride) {
+  const int64_t D = kv.head_dim, len = len_end - first;
   if (D % 16 != 0 || D > 256 || group > 64) return false;
   if (QueryRow<T>::kDp && D % 32 != 0) return false;
   static thread_local std::vector<int64_t> offs;  // each token's row, for this kv head
   offs.resize(len);
-  kv.rows(len, kv_head, offs.data());
+  kv.rows(first, len_end, kv_head, offs.data());
   group_scores(q, q_stride, group, kv.k, offs.data(), D, len, scale, scores);
   float inv[64];
   for (int64_t g = 0; g < group; ++g) inv[g] = 1.f / exp_shifted(scores + g * len, len);
@@ -252,23 +253,28 @@ inline bool attend_group_avx512(const float* q, int64_t q_stride, int64_t group,
   for (int64_t g = 0; g < group; ++g) {
     float* o = out + g * out_stride;
     for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
-    for (int64_t t = 0; t < len; ++t) axpy(scores[g * len + t] * inv[g], kv.v + kv.row(t, kv_head), o, D);
+    for (int64_t t = 0; t < len; ++t) axpy(scores[g * len + t] * inv[g], kv.v + kv.row(first + t, kv_head), o, D);
   }
   return true;
 }
 #endif
 
-// out[g] = softmax(scale * q[g] . K^T) V over the first `len` tokens (len >= 1),
-// for the `group` query heads q[0..group) (stride q_stride) that share
-// `kv_head`. scores: group * len floats of scratch. The cache holds T (float
-// or bf16); q, scores and out are float32.
+// out[g] = softmax(scale * q[g] . K^T) V over tokens first..len-1 (len > first;
+// first > 0: a sliding window dropped the older ones), for the `group` query
+// heads q[0..group) (stride q_stride) that share `kv_head`. scores: group *
+// (len - first) floats of scratch. The cache holds T (float, bf16 or fp8);
+// q, scores and out are float32.
 template <typename T>
 inline void attend_group(const float* q, int64_t q_stride, int64_t group, const PagedKV<T>& kv, int64_t kv_head,
-                         int64_t len, float scale, float* scores, float* out, int64_t out_stride) {
+                         int64_t first, int64_t len, float scale, float* scores, float* out, int64_t out_stride) {
 #if defined(__AVX512F__)
-  if (attend_group_avx512(q, q_stride, group, kv, kv_head, len, scale, scores, out, out_stride)) return;
+  if (attend_group_avx512(q, q_stride, group, kv, kv_head, first, len, scale, scores, out, out_stride)) return;
 #endif
-  attend_group_scalar(q, q_stride, group, kv, kv_head, len, scale, scores, out, out_stride);
+  attend_group_scalar(q, q_stride, group, kv, kv_head, first, len, scale, scores, out, out_stride);
 }
+
+// The first key a query at position len - 1 sees: window > 0 keeps the last
+// `window` keys (as transformers' sliding mask: key position > query position - window).
+inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 
 }  // namespace pagemill

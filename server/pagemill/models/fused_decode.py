@@ -129,7 +129,8 @@ class FusedDecoder:
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         b = x.shape[0]
         args = (dims.data_ptr(), self._eps, self._scale, cos.data_ptr(), sin.data_ptr())
-        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), torch.get_num_threads())
+        # 0: no sliding window (every key of the sequence).
+        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), 0, torch.get_num_threads())
         if self.dtype == torch.bfloat16:
             layer, rest = self._kernels.layer_bf16, (*rest, BF16_MUL[self.mul])
         else:
