@@ -92,7 +92,7 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.config.tie_word_embeddings
     # What a complete checkpoint holds, in its own (HF) names.
-    expected = _checkpoint_names(model, params)
+    expected = model.checkpoint_names()
     loaded: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -133,16 +133,3 @@ def _read(sl, dim: int, part: Range | None) -> torch.Tensor:
     if dim == 0:
         return sl[part.start : part.end]
     return sl[:, part.start : part.end]
-
-
-def _checkpoint_names(model: LlamaForCausalLM, params: dict) -> set[str]:
-    """Our parameter names with each fused parameter replaced by its HF parts."""
-    names = set(params)
-    for layer in range(len(model.model.layers)):
-        for hf, (ours, _) in model.stacked_params.items():
-            for leaf in ("weight", "bias"):
-                fused = f"model.layers.{layer}.{ours}.{leaf}"
-                if fused in params:
-                    names.discard(fused)
-                    names.add(f"model.layers.{layer}.{hf}.{leaf}")
-    return names
