@@ -111,7 +111,7 @@ class ModelRunner:
         dtype, why = resolve_dtype(cfg.dtype, device)
         log.info("dtype %s (%s)", dtype, why)
         model, config = load_model(cfg.model_dir, parse_dtype(dtype), device, backend, group,
-                                   cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize)
+                                   cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize, model_impl=cfg.model_impl)
         draft = None
         if cfg.speculate > 0 and cfg.speculate_method == "draft":
             if not cfg.draft_model:
