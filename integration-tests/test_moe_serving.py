@@ -32,6 +32,7 @@ def moe(tmp_path_factory, default_model_dir):
 def test_16_concurrent_greedy_requests_match_transformers(moe):
     model_dir, server = moe
     assert any("Qwen2MoeForCausalLM: native implementation" in line for line in server.logs().splitlines())
+    assert server.info()["model_impl"] == "native"
     body = lambda p: {"inputs": p, "parameters": {"max_new_tokens": MAX_NEW, "details": True}}  # noqa: E731
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
         rs = list(pool.map(lambda p: httpx.post(f"{server.url}/generate", json=body(p), timeout=300), PROMPTS))

@@ -1,9 +1,12 @@
 """Architectures without native code, served through transformers' modeling code
 (`--model-impl auto` picks it) with pagemill's paged attention: greedy /generate of
 concurrent requests (batched together) equals transformers' own generate, the startup
-log says which implementation runs, and every KV block is free afterwards."""
+log and /info say which implementation runs, and every KV block is free afterwards."""
 
 import concurrent.futures as cf
+import json
+import subprocess
+import sys
 import time
 
 import httpx
@@ -45,7 +48,20 @@ def test_greedy_generate_matches_transformers(served):
         ours.append([t["id"] for t in r.json()["details"]["tokens"]])
     assert ours == hf_greedy(model_dir, PROMPTS, MAX_NEW), name
     assert any("transformers implementation" in line for line in server.logs().splitlines()), server.logs()
+    assert server.info()["model_impl"] == "transformers"
     deadline = time.monotonic() + 10
     while (info := server.info())["kv_blocks_used"] and time.monotonic() < deadline:
         time.sleep(0.1)
     assert info["kv_blocks_used"] == 0 and info["kv_blocks_free"] == info["kv_blocks_total"], info
+
+
+def test_launch_refuses_an_unservable_model_before_starting_shards(tmp_path):
+    """A config.json and no weights: `pagemill launch` names the architecture and exits."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "vocab_size": 64, "d_model": 32}))
+    out = subprocess.run([sys.executable, "-m", "pagemill", "launch", "--model", str(tmp_path), "--port", "18399"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    text = out.stdout + out.stderr
+    assert "pagemill cannot serve T5ForConditionalGeneration" in text, text
+    assert "loading" not in text, text  # refused before any shard was started

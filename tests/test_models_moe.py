@@ -40,7 +40,11 @@ VARIANTS = {
 }
 # For the tensor-parallel test only (against our own 1 rank): an odd expert size splits unevenly.
 # transformers' grouped expert matmul refuses it on the CPU (rows must be 16-byte multiples).
-TP_VARIANTS = {"qwen3_moe_uneven": ("Qwen3MoeConfig", {**VARIANTS["qwen3_moe"][1], "moe_intermediate_size": 45}, {})}
+TP_VARIANTS = {
+    "qwen3_moe_uneven": ("Qwen3MoeConfig", {**VARIANTS["qwen3_moe"][1], "moe_intermediate_size": 45}, {}),
+    "qwen2_moe_uneven": ("Qwen2MoeConfig", {**VARIANTS["qwen2_moe"][1], "moe_intermediate_size": 45,
+                                            "shared_expert_intermediate_size": 81}, {}),
+}
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
@@ -114,23 +118,26 @@ def test_missing_expert_weight_is_named(tmp_path):
         load_model(path, "float32", "cpu")
 
 
-def _moe_steps(group, model_dir: str) -> list[torch.Tensor]:
+def _moe_steps(group, dirs: dict) -> dict:
     from test_parallel import _steps
 
-    return _steps(model_dir, group)
+    return {v: _steps(d, group) for v, d in dirs.items()}
 
 
-def test_two_ranks_match_one_rank(tmp_path):
-    """Each expert's intermediate features split over 2 gloo ranks (45 = 23 + 22), one all-reduce per
-    block: the same greedy tokens as one rank, logits equal to rounding."""
+def test_two_ranks_match_one_rank(tmp_path_factory):
+    """Each expert's (and the shared expert's) intermediate features split over 2 gloo ranks
+    (45 = 23 + 22, 81 = 41 + 40), one all-reduce per block: the same greedy tokens as one rank
+    at every step, logits equal to rounding."""
     from test_parallel import _steps, run_ranks
 
-    path = build_model_dir(str(tmp_path), "qwen3_moe_uneven", variants=TP_VARIANTS)
-    r0, r1 = run_ranks(_moe_steps, path)
-    ref = _steps(path, None)
-    assert len(ref) == len(r0) == 15
-    for step, (a, b, r) in enumerate(zip(r0, r1, ref)):
-        assert torch.equal(a, b), f"step {step}: ranks disagree"
-        assert torch.equal(a.reshape(-1, a.shape[-1]).argmax(-1), r.reshape(-1, r.shape[-1]).argmax(-1)), step
-        rel = ((a - r).abs().max() / r.abs().max()).item()
-        assert rel < 1e-5, f"step {step}: 2 ranks vs 1 relative error {rel:.2e}"
+    dirs = {v: build_model_dir(str(tmp_path_factory.mktemp(v)), v, variants=TP_VARIANTS) for v in TP_VARIANTS}
+    r0, r1 = run_ranks(_moe_steps, dirs)
+    for variant, path in dirs.items():
+        ref = _steps(path, None)
+        assert len(ref) == len(r0[variant]) == 15
+        for step, (a, b, r) in enumerate(zip(r0[variant], r1[variant], ref)):
+            assert torch.equal(a, b), f"{variant} step {step}: ranks disagree"
+            greedy = lambda t: t.reshape(-1, t.shape[-1]).argmax(-1)  # noqa: E731
+            assert torch.equal(greedy(a), greedy(r)), f"{variant} step {step}: greedy tokens differ"
+            rel = ((a - r).abs().max() / r.abs().max()).item()
+            assert rel < 1e-5, f"{variant} step {step}: 2 ranks vs 1 relative error {rel:.2e}"

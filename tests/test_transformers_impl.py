@@ -45,6 +45,22 @@ def test_prefill_and_decode_match_transformers(no_native_model, cpu_kernels):
     check_prefill_and_decode(name, path, hf, cpu_kernels)
 
 
+def test_cached_prefix_gives_same_logits(no_native_model):
+    """Prefix caching: a step that starts past a shared cached prefix (aligned and unaligned)."""
+    from test_model import test_cached_prefix_gives_same_logits as check
+
+    check(no_native_model)
+
+
+def test_shard_reports_the_implementation(no_native_model):
+    from pagemill.shard.engine import ModelRunner
+
+    _, path, _ = no_native_model
+    model, config = load_model(path, "float32", "cpu")
+    runner = ModelRunner(model, config, kv_cache_memory=1 << 20)
+    assert runner.info().model_impl == "transformers" and not runner.use_cuda_graphs
+
+
 def test_attention_goes_through_the_paged_pool(no_native_model):
     """The model really runs our attention: a forward without a paged step is refused."""
     _, path, _ = no_native_model

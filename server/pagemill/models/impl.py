@@ -21,7 +21,8 @@ class ImplChoice:
     why: str  # for the startup log
 
 
-def choose_impl(model_dir: str, requested: str = "auto", world_size: int = 1, quantize: str | None = None) -> ImplChoice:
+def choose_impl(model_dir: str, requested: str = "auto", world_size: int = 1,
+                quantize: str | None = None) -> ImplChoice:  # fmt: skip
     """Raises ValueError naming the architecture where the requested implementation cannot serve it."""
     from pagemill.models.config import ModelConfig
 

@@ -144,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
     # What subclasses change: the attention module, and which checkpoint projections are fused at load.
     attention_cls: type[Attention] = Attention
     stacked_params: dict[str, tuple[str, int]] = STACKED_PARAMS
+    impl = "native"  # what /info says runs the model (models/transformers_backend.py: "transformers")
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend | None = None, group: ParallelGroup | None = None

@@ -77,6 +77,8 @@ def register_attention() -> None:
 class TransformersCausalLM(nn.Module):
     """A transformers CausalLM behind our model interface (forward over packed tokens, compute_logits)."""
 
+    impl = "transformers"
+
     def __init__(self, hf: nn.Module, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.hf, self.config, self._backend = hf, config, backend
