@@ -140,6 +140,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         model_dtype: shard_info.dtype.clone(),
         model_device_type: shard_info.device_type.clone(),
         attention_backend: shard_info.attention_backend.clone(),
+        model_impl: shard_info.model_impl.clone(),
         num_shards: client.num_shards() as u32,
         max_input_tokens: config.max_input_tokens,
         max_total_tokens: config.max_total_tokens,

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pagemill.options import option, parse_bytes
 
 QUANTIZE_METHODS = ("int8",)
+MODEL_IMPLS = ("auto", "native", "transformers")  # models/impl.py
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,11 @@ class ShardConfig:
                                   help="int8: int8 weights per output channel and int8 activations per token for "
                                        "every linear, output head included (CPU, one shard; docs/quantization.md)")
     # attention/kv_dtype.py
+    # models/impl.py, docs/models.md
+    model_impl: str = option("auto", choices=MODEL_IMPLS,
+                             help="native: pagemill's own model code; transformers: transformers' modeling code "
+                                  "over pagemill's paged attention (any causal LM it has); auto: native where it "
+                                  "exists")
     kv_cache_dtype: str = option("auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
                                  help="KV cache storage: auto (the model dtype) or fp8, which holds twice the tokens "
                                       "of bf16")

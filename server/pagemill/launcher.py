@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pagemill.cli import shard_config
 from pagemill.config import check_quantize
+from pagemill.models.impl import choose_impl
 from pagemill.models.auto_dtype import resolve_dtype
 from pagemill.options import ROUTER_OPTIONS, dataclass_argv, flag_value, router_argv, router_env
 
@@ -152,6 +153,8 @@ class Launcher:
         if a.num_shard < 1:
             raise ValueError(f"--num-shard must be >= 1, got {a.num_shard}")
         check_quantize(a.quantize, a.device.split(":")[0], a.num_shard)  # before any shard loads
+        impl = choose_impl(model_dir, a.model_impl, a.num_shard, a.quantize)  # raises naming the architecture
+        _progress(f"pagemill: {impl.architecture}: {impl.impl} implementation ({impl.why})", final=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         router_flags, router_vars = self._router_args(model_dir, socks)
         threads = _threads_per_shard(a)

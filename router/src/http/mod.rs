@@ -33,6 +33,8 @@ pub struct ServerInfo {
     pub model_dtype: String,
     pub model_device_type: String,
     pub attention_backend: String,
+    /// "native" (pagemill's model code) or "transformers" (transformers' modeling code over the paged pool).
+    pub model_impl: String,
     pub num_shards: u32,
     pub max_input_tokens: u32,
     pub max_total_tokens: u32,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagemill.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
+from pagemill.models.moe import MixtralForCausalLM, MoeForCausalLM, Qwen3MoeForCausalLM
 from pagemill.models.phi3 import Phi3ForCausalLM
 from pagemill.models.qwen3 import Qwen3ForCausalLM
 
@@ -13,6 +14,9 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen2": LlamaForCausalLM,  # its q/k/v biases are config.attention_bias
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "mixtral": MixtralForCausalLM,
+    "qwen2_moe": MoeForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_MODEL_TYPES)
 

@@ -13,7 +13,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+from pagemill.models.moe_config import MOE_MODEL_TYPES, MoeConfig, parse_moe
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES)
 # Rope variants whose inverse frequencies we compute (see layers.rope_inv_freq).
 # "su" is the name early Phi-3 configs gave longrope.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
@@ -60,6 +62,8 @@ class ModelConfig:
     o_proj_bias: bool = False
     # Qwen3: an RMSNorm over head_dim on every q and k head, before rotary.
     qk_norm: bool = False
+    # Mixtral / Qwen2-MoE / Qwen3-MoE: routed experts (models/moe.py); None: dense MLPs.
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> "ModelConfig":
@@ -97,10 +101,12 @@ class ModelConfig:
         rope_theta, rope_scaling = _parse_rope(d, head_dim)
 
         sliding_window = d.get("sliding_window")
-        if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not d.get("use_sliding_window", False):
             sliding_window = None  # Qwen2/3 write a window but only use it when asked
         if model_type == "qwen2":
             attention_bias = True  # Qwen2's config has no flag: its q/k/v projections always have a bias
+        elif model_type == "qwen2_moe":
+            attention_bias = bool(d.get("qkv_bias", True))  # its own name for Qwen2's q/k/v biases
         elif model_type == "phi3":
             attention_bias = False  # Phi-3's fused qkv_proj has none, whatever the config says
         else:
@@ -125,8 +131,9 @@ class ModelConfig:
             eos_token_ids=_eos_ids(d, generation),
             bos_token_id=d.get("bos_token_id"),
             sliding_window=int(sliding_window) if sliding_window else None,
-            o_proj_bias=attention_bias and model_type in ("llama", "qwen3"),
-            qk_norm=model_type == "qwen3",
+            o_proj_bias=attention_bias and model_type in ("llama", "qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            moe=parse_moe(model_type, d),
         )
 
 

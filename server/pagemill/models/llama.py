@@ -20,7 +20,7 @@ on all ranks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -100,10 +100,11 @@ class Attention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: TPLayout, group: ParallelGroup,
-                 attention_cls: type[Attention] = Attention) -> None:  # fmt: skip
+                 attention_cls: type[Attention] = Attention, mlp: nn.Module | None = None) -> None:  # fmt: skip
+        """mlp: the feed-forward block (default: the dense SwiGLU MLP; models/moe.py passes experts)."""
         super().__init__()
         self.self_attn = attention_cls(config, backend, layout, group)
-        self.mlp = MLP(config, layout.intermediate, group)
+        self.mlp = mlp if mlp is not None else MLP(config, layout.intermediate, group)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -114,11 +115,13 @@ class DecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: AttentionBackend, layout: TPLayout, group: ParallelGroup,
-                 attention_cls: type[Attention] = Attention) -> None:  # fmt: skip
+                 attention_cls: type[Attention] = Attention,
+                 mlp_for_layer: Callable[[int], nn.Module | None] = lambda i: None) -> None:  # fmt: skip
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(layout.vocab, config.hidden_size, group)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, backend, layout, group, attention_cls) for _ in range(config.num_hidden_layers)
+            DecoderLayer(config, backend, layout, group, attention_cls, mlp_for_layer(i))
+            for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
@@ -141,6 +144,7 @@ class LlamaForCausalLM(nn.Module):
     # What subclasses change: the attention module, and which checkpoint projections are fused at load.
     attention_cls: type[Attention] = Attention
     stacked_params: dict[str, tuple[str, int]] = STACKED_PARAMS
+    impl = "native"  # what /info says runs the model (models/transformers_backend.py: "transformers")
 
     def __init__(
         self, config: ModelConfig, backend: AttentionBackend | None = None, group: ParallelGroup | None = None
@@ -157,9 +161,13 @@ class LlamaForCausalLM(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size,
             self.group.world_size, self.group.rank,
         )  # fmt: skip
-        self.model = LlamaModel(config, backend, self.layout, self.group, self.attention_cls)
+        self.model = LlamaModel(config, backend, self.layout, self.group, self.attention_cls, self.mlp_for_layer)
         self.lm_head = ParallelLMHead(config.hidden_size, self.layout.vocab, config.vocab_size, self.group)
         self.tie_weights()
+
+    def mlp_for_layer(self, index: int) -> nn.Module | None:
+        """Layer `index`'s feed-forward block, or None for the dense MLP (models/moe.py overrides)."""
+        return None
 
     def tie_weights(self) -> None:
         """Shares the embedding with the output projection when the config says so.
@@ -193,6 +201,20 @@ class LlamaForCausalLM(nn.Module):
     def checkpoint_targets(self, name: str) -> list[WeightTarget]:
         """Every part of this rank's parameters that checkpoint tensor `name` fills (phi3.py: several)."""
         return [self.checkpoint_target(name)]
+
+    def checkpoint_names(self) -> set[str]:
+        """What a complete checkpoint holds, in its own (HF) names: our parameter names with each
+        fused parameter replaced by its parts."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        names = set(params)
+        for layer in range(len(self.model.layers)):
+            for hf, (ours, _) in self.stacked_params.items():
+                for leaf in ("weight", "bias"):
+                    fused = f"model.layers.{layer}.{ours}.{leaf}"
+                    if fused in params:
+                        names.discard(fused)
+                        names.add(f"model.layers.{layer}.{hf}.{leaf}")
+        return names
 
     def checkpoint_target(self, name: str) -> WeightTarget:
         """Where checkpoint tensor `name` goes on this rank, and which part of it this rank reads."""

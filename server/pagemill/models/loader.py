@@ -14,6 +14,7 @@ from pagemill.attention.backend import AttentionBackend
 from pagemill.config import check_quantize
 from pagemill.models.config import ModelConfig
 from pagemill.models.architectures import model_class
+from pagemill.models.impl import choose_impl
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.quantized_linear import quantize_model
 from pagemill.parallel.group import ParallelGroup
@@ -61,13 +62,26 @@ def load_model(
     group: ParallelGroup | None = None,
     cpu_kernels: bool = True,
     quantize: str | None = None,
+    model_impl: str = "auto",
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """group: this rank's tensor-parallel group; the rank then reads only its slices.
     cpu_kernels: use the compiled CPU decode kernels (matvec, fused small-batch decode; docs/cpu.md).
-    quantize: None, or "int8" for int8 linears (models/quantized_linear.py; CPU, one shard)."""
-    config = ModelConfig.from_model_dir(model_dir)
+    quantize: None, or "int8" for int8 linears (models/quantized_linear.py; CPU, one shard).
+    model_impl: auto, native or transformers (models/impl.py)."""
     dtype, device = parse_dtype(dtype), torch.device(device)
-    check_quantize(quantize, device.type, group.world_size if group is not None else 1)
+    world_size = group.world_size if group is not None else 1
+    check_quantize(quantize, device.type, world_size)
+    choice = choose_impl(model_dir, model_impl, world_size, quantize)
+    log.info("model %s: %s implementation, %s", choice.architecture, choice.impl, choice.why)
+    if choice.impl == "transformers":
+        from pagemill.models.transformers_backend import load_transformers_model
+
+        if backend is None:
+            from pagemill.attention.torch_backend import TorchAttentionBackend
+
+            backend = TorchAttentionBackend()
+        return load_transformers_model(model_dir, dtype, device, backend)
+    config = ModelConfig.from_model_dir(model_dir)
     # Build on the meta device: no time spent on random init we would overwrite.
     with torch.device("meta"):
         model = model_class(config)(config, backend, group).to(dtype)
@@ -92,7 +106,7 @@ def load_weights(model: LlamaForCausalLM, files: list[str]) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = model.config.tie_word_embeddings
     # What a complete checkpoint holds, in its own (HF) names.
-    expected = _checkpoint_names(model, params)
+    expected = model.checkpoint_names()
     loaded: set[str] = set()
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -133,16 +147,3 @@ def _read(sl, dim: int, part: Range | None) -> torch.Tensor:
     if dim == 0:
         return sl[part.start : part.end]
     return sl[:, part.start : part.end]
-
-
-def _checkpoint_names(model: LlamaForCausalLM, params: dict) -> set[str]:
-    """Our parameter names with each fused parameter replaced by its HF parts."""
-    names = set(params)
-    for layer in range(len(model.model.layers)):
-        for hf, (ours, _) in model.stacked_params.items():
-            for leaf in ("weight", "bias"):
-                fused = f"model.layers.{layer}.{ours}.{leaf}"
-                if fused in params:
-                    names.discard(fused)
-                    names.add(f"model.layers.{layer}.{hf}.{leaf}")
-    return names

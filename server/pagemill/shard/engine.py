@@ -92,7 +92,8 @@ class ModelRunner:
         self.kv_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)  # the pool's storage dtype
         check_kv_dtype(self.kv_dtype, model.backend.name, self.device)
         # Decode graphs only on CUDA and without speculation (verification is a varlen prefill).
-        self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and speculate == 0
+        # Not for transformers' modeling code: nothing says its forward is capturable (models/impl.py).
+        self.use_cuda_graphs = cuda_graphs and self.device.type == "cuda" and speculate == 0 and model.impl == "native"
         self.cuda_graphs: DecodeGraphs | None = None  # captured at warmup
         self.broken: str | None = None  # set when a forward failed unexpectedly
         if speculate < 0:
@@ -115,7 +116,7 @@ class ModelRunner:
         dtype, why = resolve_dtype(cfg.dtype, device)
         log.info("dtype %s (%s)", dtype, why)
         model, config = load_model(cfg.model_dir, parse_dtype(dtype), device, backend, group,
-                                   cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize)
+                                   cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize, model_impl=cfg.model_impl)
         draft = None
         if cfg.speculate > 0 and cfg.speculate_method == "draft":
             if not cfg.draft_model:
@@ -155,6 +156,7 @@ class ModelRunner:
             rank=self.rank,
             world_size=self.world_size,
             attention_backend=self.model.backend.name,
+            model_impl=self.model.impl,
             speculate=self.speculate,
             kv_cache_dtype=kv_dtype_name(self.kv_dtype),
         )
