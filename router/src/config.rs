@@ -92,6 +92,10 @@ pub struct RouterConfig {
     /// admit the queued request with the longest cached prefix first (SGLang's LPM)
     #[arg(long)]
     pub cache_aware_admission: bool,
+    /// a queued request's `priority` improves by one per this many ms waited, which bounds how long
+    /// better-priority newcomers can keep overtaking it (0: no aging)
+    #[arg(long, default_value_t = 1000)]
+    pub priority_aging_ms: u64,
     /// require `Authorization: Bearer <key>` on generation routes
     // Read from the environment too: the launcher passes the key there, not in argv, where any
     // local user could read it with `ps`.

@@ -275,6 +275,7 @@ impl Infer {
             .validation
             .validate(input.inputs, input.input_ids, input.parameters, input.add_special_tokens)
             .await?;
+        self.validation.check_fits_pool(&request, n)?;
         if n > 1 && !request.parameters.do_sample {
             // Greedy sequences would all be the same (TGI and vLLM reject this too).
             return Err(RouterError::Validation(format!(

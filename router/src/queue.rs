@@ -105,6 +105,7 @@ mod tests {
             decoder_input_details: false,
             seed: None,
             grammar: None,
+            priority: 0,
         };
         let e = Entry { id: 0, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: deadline, group: None };
         (e, rx)

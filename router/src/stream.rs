@@ -237,6 +237,7 @@ mod tests {
             decoder_input_details: false,
             seed: Some(7),
             grammar: None,
+            priority: 0,
         }
     }
 

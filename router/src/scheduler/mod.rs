@@ -10,6 +10,7 @@ pub mod plan;
 mod run;
 pub mod sequence;
 pub mod state;
+pub mod too_large;
 pub mod update;
 #[cfg(test)]
 mod fake_shard;
@@ -42,4 +43,7 @@ pub struct SchedulerConfig {
     /// Mixed steps: decode tokens plus prompt chunks up to this many tokens
     /// per step; `None`: prefill and decode steps alternate.
     pub max_num_batched_tokens: Option<u32>,
+    /// Waiting this long raises a queued request's priority by one (its
+    /// starvation bound); None: no aging.
+    pub priority_aging: Option<std::time::Duration>,
 }

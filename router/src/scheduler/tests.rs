@@ -13,6 +13,7 @@ use super::admission::Budget;
 use super::fake_shard::{next_token, FakeShard, EOS};
 use super::plan::schedule;
 use super::state::State;
+use super::too_large::lifetime_blocks;
 use super::update::{is_terminal, update};
 use super::{AdmissionOrder, SchedulerConfig};
 use crate::error::RouterError;
@@ -35,6 +36,7 @@ fn config(mixed: Option<u32>, chunk: Option<u32>, speculate: u32) -> SchedulerCo
         speculate,
         order: AdmissionOrder::Fifo,
         max_num_batched_tokens: mixed,
+        priority_aging: None,
     }
 }
 
@@ -52,6 +54,7 @@ fn request(prompt: Vec<u32>, max_new: u32) -> ValidRequest {
         decoder_input_details: false,
         seed: None,
         grammar: None,
+        priority: 0,
     }
 }
 
@@ -90,7 +93,16 @@ fn drive(st: &mut State, shard: &mut FakeShard) -> Outcome {
     while !st.is_idle() {
         out.steps += 1;
         assert!(out.steps < 10_000, "the scheduler made no progress");
-        let plan = schedule(st, Instant::now());
+        let mut plan = schedule(st, Instant::now());
+        let rejected = std::mem::take(&mut plan.rejected);
+        let refused = !rejected.is_empty();
+        collect(&mut out, rejected.into_iter().map(|(id, e)| (id, Err(e))).collect());
+        if plan.is_empty() && refused {
+            if !plan.request.finished_ids.is_empty() {
+                shard.step(&plan.request);
+            }
+            continue;
+        }
         assert!(!plan.is_empty(), "work is left but nothing was scheduled");
         let prompt_tokens = plan.planned.iter().filter(|p| p.prompt).map(|p| p.num_tokens).sum();
         let decode_cost = plan.planned.iter().filter(|p| !p.prompt).map(|p| p.num_tokens + p.max_proposals).sum();
@@ -459,4 +471,310 @@ proptest! {
         assert_no_leak(&st);
         prop_assert_eq!(shard.held(), 0);
     }
+}
+
+#[test]
+fn a_request_that_can_never_fit_is_refused_at_once_and_the_rest_are_served() {
+    // 14 usable blocks of 4 = 56 tokens; request 1 needs 6 + 99 tokens.
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 15);
+    st.enqueue(entry(1, request(prompt(1, 6), 100), None));
+    for id in [0, 2] {
+        st.enqueue(entry(id, request(prompt(id, 6), 10), None));
+    }
+    let first = schedule(&mut st, Instant::now());
+    assert_eq!(first.rejected.len(), 1, "refused on the first step, not after retries");
+    assert_eq!(first.rejected[0].0, 1);
+    let msg = first.rejected[0].1.to_string();
+    assert!(msg.contains("needs 27 blocks") && msg.contains("holds 14"), "{msg}");
+    assert_eq!(first.rejected[0].1.error_type(), "validation");
+    assert_eq!(first.planned.len(), 2, "the requests behind it are admitted in the same step");
+    let resp = shard.step(&first.request);
+    let (events, _) = update(&mut st, &first, &resp);
+    let mut out = Outcome::default();
+    collect(&mut out, events);
+    let rest = drive(&mut st, &mut shard);
+    for id in [0, 2] {
+        let mut all = out.tokens.remove(&id).unwrap_or_default();
+        all.extend(rest.tokens.get(&id).cloned().unwrap_or_default());
+        assert_eq!(all, expected(&prompt(id, 6), 10), "request {id}");
+    }
+    assert!(rest.errors.is_empty());
+    assert_no_leak(&st);
+}
+
+#[test]
+fn forks_that_together_outgrow_the_pool_are_refused() {
+    // Each of 3 forks alone fits (6 + 19 tokens = 7 blocks), together 1 + 3 x 6 = 19 > 14.
+    let (mut st, mut shard) = setup(config(None, None, 0), 15);
+    assert_eq!(lifetime_blocks(6, 20, 0, 3, BS), 19);
+    for id in 10..13 {
+        st.enqueue(entry(id, request(prompt(4, 6), 20), Some(10)));
+    }
+    st.enqueue(entry(20, request(prompt(5, 6), 3), None));
+    let out = drive(&mut st, &mut shard);
+    for id in 10..13 {
+        assert_eq!(out.errors[&id].error_type(), "validation", "fork {id}");
+    }
+    assert_eq!(out.tokens[&20], expected(&prompt(5, 6), 3));
+    assert_no_leak(&st);
+}
+
+#[test]
+fn a_sequence_that_outgrows_the_pool_alone_ends_with_an_error_not_a_retry_loop() {
+    // Admission saw max_new_tokens 4; the sequence then grows as if it had
+    // asked for 100 (what a check that is bypassed would let through).
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 15);
+    let p = prompt(3, 6);
+    st.enqueue(entry(3, request(p.clone(), 4), None));
+    let mut plan = schedule(&mut st, Instant::now());
+    st.running[0].request.max_new_tokens = 100;
+    let stop = plan.request.requests[0].new_request.as_mut().unwrap().stopping_parameters.as_mut().unwrap();
+    stop.max_new_tokens = 100;
+    let resp = shard.step(&plan.request);
+    let (events, _) = update(&mut st, &plan, &resp);
+    let mut out = Outcome::default();
+    collect(&mut out, events);
+    let rest = drive(&mut st, &mut shard);
+    let err = &rest.errors[&3];
+    assert_eq!(err.error_type(), "validation");
+    assert!(err.to_string().contains("holds 14"), "{err}");
+    // 56 slots: it ran until its table needed a 15th block, and every token
+    // it streamed is the model's.
+    let mut got = out.tokens.remove(&3).unwrap_or_default();
+    got.extend(rest.tokens.get(&3).cloned().unwrap_or_default());
+    assert_eq!(got.len(), 56 - 6 + 1);
+    assert_eq!(got, expected(&p, got.len() as u32));
+    assert!(rest.steps < 100, "{} steps", rest.steps);
+    assert_eq!(shard.held(), 0, "the shard is told to forget it");
+    assert_no_leak(&st);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Requests of any size against a small pool: a request is refused
+    /// exactly when it needs more blocks at its longest than the pool
+    /// holds; every other request completes with the model's tokens, no
+    /// step loops forever, and every block comes back.
+    #[test]
+    fn oversized_requests_are_refused_and_never_block_the_rest(
+        reqs in prop::collection::vec((1u32..40, 1u32..60, 1u32..3), 1..10),
+        budget in prop::option::of(8u32..48),
+        chunk in prop::option::of(4u32..20),
+        blocks in 8u32..30,
+    ) {
+        let mut cfg = config(budget, chunk, 0);
+        cfg.budget.max_batch_prefill_tokens = 64;
+        let (mut st, mut shard) = setup(cfg, blocks);
+        let capacity = st.kv.capacity() as u64;
+        for (i, &(len, n, forks)) in reqs.iter().enumerate() {
+            let group = (forks > 1).then_some(1000 + i as u64);
+            for f in 0..forks as u64 {
+                st.enqueue(entry(i as u64 * 10 + f, request(prompt(i as u64, len), n), group));
+            }
+        }
+        let out = drive(&mut st, &mut shard);
+        for (i, &(len, n, forks)) in reqs.iter().enumerate() {
+            let too_big = lifetime_blocks(len, n, 0, forks, BS) > capacity;
+            for f in 0..forks as u64 {
+                let id = i as u64 * 10 + f;
+                if too_big {
+                    prop_assert_eq!(out.errors.get(&id).map(|e| e.error_type()), Some("validation"));
+                    prop_assert!(!out.tokens.contains_key(&id), "request {} streamed before its refusal", id);
+                } else {
+                    prop_assert!(!out.errors.contains_key(&id), "request {}: {:?}", id, out.errors.get(&id));
+                    prop_assert_eq!(&out.tokens[&id], &expected(&prompt(i as u64, len), n));
+                }
+            }
+        }
+        assert_no_leak(&st);
+        prop_assert_eq!(shard.held(), 0);
+    }
+}
+
+fn with_priority(mut r: ValidRequest, priority: i32) -> ValidRequest {
+    r.priority = priority;
+    r
+}
+
+/// Ids in the order the shard first saw them (NewRequest), repeats included.
+fn admissions(shard: &FakeShard) -> Vec<u64> {
+    shard.steps.iter().flat_map(|s| s.requests.iter()).filter(|r| r.new_request.is_some()).map(|r| r.id).collect()
+}
+
+#[test]
+fn a_better_priority_is_admitted_before_queued_worse_ones() {
+    let mut cfg = config(Some(64), None, 0);
+    cfg.budget.max_batch_size = 1;
+    let (mut st, mut shard) = setup(cfg, 100);
+    for id in 0..3 {
+        st.enqueue(entry(id, with_priority(request(prompt(id, 5), 3), 5), None));
+    }
+    st.enqueue(entry(9, with_priority(request(prompt(9, 5), 3), -1), None));
+    let out = drive(&mut st, &mut shard);
+    assert_eq!(admissions(&shard), vec![9, 0, 1, 2]);
+    for id in [0, 1, 2, 9] {
+        assert_eq!(out.tokens[&id], expected(&prompt(id, 5), 3));
+    }
+}
+
+#[test]
+fn aging_bounds_how_long_newcomers_of_a_better_priority_overtake() {
+    // Aging 1 s: priority 3 waiting 3.5 s ranks like priority 0 and keeps
+    // its (earlier) place; waiting 2.5 s it still ranks like 1 and yields.
+    for (waited_ms, first) in [(3500, 1), (2500, 2)] {
+        let mut cfg = config(Some(64), None, 0);
+        cfg.budget.max_batch_size = 1;
+        cfg.priority_aging = Some(std::time::Duration::from_secs(1));
+        let (mut st, mut shard) = setup(cfg, 100);
+        let now = Instant::now() + std::time::Duration::from_secs(10);
+        let mut old = entry(1, with_priority(request(prompt(1, 5), 2), 3), None);
+        old.queued_at = now - std::time::Duration::from_millis(waited_ms);
+        st.enqueue(old);
+        let mut fresh = entry(2, request(prompt(2, 5), 2), None);
+        fresh.queued_at = now;
+        st.enqueue(fresh);
+        let plan = schedule(&mut st, now);
+        assert_eq!(plan.planned[0].id, first, "waited {waited_ms} ms");
+        let resp = shard.step(&plan.request);
+        update(&mut st, &plan, &resp);
+        drive(&mut st, &mut shard);
+    }
+}
+
+/// Runs until the first preemption; returns the ids preempted by it, and
+/// the tokens streamed so far.
+fn run_until_preemption(st: &mut State, shard: &mut FakeShard) -> (Vec<u64>, Outcome) {
+    let mut out = Outcome::default();
+    for _ in 0..200 {
+        let running: Vec<u64> = st.running.iter().map(|s| s.id).collect();
+        let plan = schedule(st, Instant::now());
+        let after: Vec<u64> = st.running.iter().map(|s| s.id).collect();
+        let resp = shard.step(&plan.request);
+        let (events, _) = update(st, &plan, &resp);
+        collect(&mut out, events);
+        if plan.preempted > 0 {
+            return (running.into_iter().filter(|id| !after.contains(id)).collect(), out);
+        }
+    }
+    panic!("no preemption");
+}
+
+#[test]
+fn the_victim_is_the_worst_priority_even_when_it_is_the_oldest() {
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 13);
+    st.enqueue(entry(0, with_priority(request(prompt(0, 6), 30), 1), None));
+    st.enqueue(entry(1, request(prompt(1, 6), 30), None));
+    assert_eq!(run_until_preemption(&mut st, &mut shard).0, vec![0]);
+    let out = drive(&mut st, &mut shard);
+    assert!(out.errors.is_empty());
+    assert_no_leak(&st);
+}
+
+#[test]
+fn among_equal_priorities_the_victim_loses_the_least_work() {
+    // 0 is older but has computed less than 1: 0 goes, whereas "newest
+    // first" would have thrown away 1's longer context.
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 13);
+    st.enqueue(entry(0, request(prompt(0, 2), 30), None));
+    st.enqueue(entry(1, request(prompt(1, 16), 24), None));
+    assert_eq!(run_until_preemption(&mut st, &mut shard).0, vec![0]);
+}
+
+#[test]
+fn a_preempted_request_resumes_before_later_arrivals_and_loses_nothing() {
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 13);
+    st.enqueue(entry(0, request(prompt(0, 6), 24), None));
+    st.enqueue(entry(1, request(prompt(1, 6), 24), None));
+    let (gone, mut before) = run_until_preemption(&mut st, &mut shard);
+    assert_eq!(gone.len(), 1);
+    // A newcomer, small enough to fit beside the survivor, waits its turn.
+    st.enqueue(entry(5, request(prompt(5, 2), 4), None));
+    let after = drive(&mut st, &mut shard);
+    let order: Vec<u64> = admissions(&shard).into_iter().filter(|id| *id == gone[0] || *id == 5).collect();
+    assert_eq!(order, vec![gone[0], gone[0], 5], "the resumed request was overtaken");
+    // The same requests with a pool that never preempts.
+    let (mut calm_st, mut calm_shard) = setup(config(Some(64), None, 0), 200);
+    for id in [0, 1] {
+        calm_st.enqueue(entry(id, request(prompt(id, 6), 24), None));
+    }
+    let calm = drive(&mut calm_st, &mut calm_shard);
+    for id in [0, 1] {
+        let mut stream = before.tokens.remove(&id).unwrap_or_default();
+        stream.extend(after.tokens.get(&id).cloned().unwrap_or_default());
+        assert_eq!(stream, calm.tokens[&id], "request {id}: the stream under pressure differs");
+        assert_eq!(stream, expected(&prompt(id, 6), 24));
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Random priorities under pool pressure: every request completes with
+    /// the model's tokens (no token lost or repeated across preemptions),
+    /// and no running sequence was ever preempted while a sequence of a
+    /// worse priority that was not yet scheduled in that step kept running.
+    #[test]
+    fn priorities_under_pressure_lose_nothing(
+        reqs in prop::collection::vec((1u32..24, 1u32..24, -2i32..3), 1..10),
+        budget in prop::option::of(8u32..48),
+        blocks in 14u32..40,
+    ) {
+        let (mut st, mut shard) = setup(config(budget, None, 0), blocks);
+        for (i, &(len, n, p)) in reqs.iter().enumerate() {
+            st.enqueue(entry(i as u64, with_priority(request(prompt(i as u64, len), n), p), None));
+        }
+        let mut out = Outcome::default();
+        while !st.is_idle() {
+            out.steps += 1;
+            prop_assert!(out.steps < 10_000);
+            let before: Vec<(u64, i32)> = st.running.iter().map(|s| (s.id, s.priority())).collect();
+            let mut plan = schedule(&mut st, Instant::now());
+            collect(&mut out, std::mem::take(&mut plan.rejected).into_iter().map(|(id, e)| (id, Err(e))).collect());
+            if plan.preempted > 0 {
+                let kept: Vec<u64> = st.running.iter().map(|s| s.id).collect();
+                let worst_gone = before.iter().filter(|(id, _)| !kept.contains(id)).map(|(_, p)| *p).min().unwrap();
+                // Survivors not in this step's decode plan before the victim
+                // would be planned: every survivor of a worse priority was already planned.
+                for (id, p) in &before {
+                    if kept.contains(id) && *p > worst_gone {
+                        prop_assert!(plan.planned.iter().any(|x| x.id == *id && !x.prompt),
+                            "request {} (priority {}) kept running while priority {} was preempted", id, p, worst_gone);
+                    }
+                }
+            }
+            if plan.is_empty() {
+                continue;
+            }
+            let resp = shard.step(&plan.request);
+            let (events, _) = update(&mut st, &plan, &resp);
+            collect(&mut out, events);
+        }
+        for (i, &(len, n, _)) in reqs.iter().enumerate() {
+            prop_assert_eq!(&out.tokens[&(i as u64)], &expected(&prompt(i as u64, len), n));
+        }
+        assert_no_leak(&st);
+        prop_assert_eq!(shard.held(), 0);
+    }
+}
+
+#[test]
+fn recomputed_tokens_count_exactly_what_preemption_made_the_shard_redo() {
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 13);
+    for id in 0..3 {
+        st.enqueue(entry(id, request(prompt(id, 6), 24), None));
+    }
+    let (mut recomputed, mut prompt_tokens, mut preempted) = (0u64, 0u64, 0);
+    while !st.is_idle() {
+        let plan = schedule(&mut st, Instant::now());
+        recomputed += plan.recomputed_tokens;
+        prompt_tokens += plan.prompt_tokens;
+        preempted += plan.preempted;
+        let resp = shard.step(&plan.request);
+        update(&mut st, &plan, &resp);
+    }
+    assert!(preempted > 0);
+    // Prompt work: the three prompts once (distinct, so no cache hits),
+    // plus per resume what the victim had computed and lost, plus its last
+    // sampled token, which was never computed before.
+    assert!(recomputed > 0);
+    assert_eq!(prompt_tokens, 3 * 6 + recomputed + preempted as u64);
 }
