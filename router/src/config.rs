@@ -96,6 +96,10 @@ pub struct RouterConfig {
     /// better-priority newcomers can keep overtaking it (0: no aging)
     #[arg(long, default_value_t = 1000)]
     pub priority_aging_ms: u64,
+    /// most sequences one tenant (the request's `user`) may have running at once, so that one
+    /// client cannot take the whole batch (0: no cap)
+    #[arg(long, default_value_t = 0)]
+    pub max_running_per_tenant: u32,
     /// require `Authorization: Bearer <key>` on generation routes
     // Read from the environment too: the launcher passes the key there, not in argv, where any
     // local user could read it with `ps`.

@@ -106,6 +106,7 @@ mod tests {
             seed: None,
             grammar: None,
             priority: 0,
+            tenant: None,
         };
         let e = Entry { id: 0, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: deadline, group: None };
         (e, rx)

@@ -238,6 +238,7 @@ mod tests {
             seed: Some(7),
             grammar: None,
             priority: 0,
+            tenant: None,
         }
     }
 

@@ -53,6 +53,8 @@ pub struct ValidRequest {
     /// Scheduling priority: lower values are admitted first and preempted
     /// last (as vLLM's); 0 by default.
     pub priority: i32,
+    /// Who sent it (`user`), for the per-tenant cap; None: not capped.
+    pub tenant: Option<String>,
 }
 
 #[derive(Clone)]
@@ -226,6 +228,7 @@ impl Validation {
             seed: p.seed,
             grammar,
             priority,
+            tenant: p.user.filter(|u| !u.is_empty()),
         })
     }
 

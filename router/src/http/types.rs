@@ -71,6 +71,9 @@ pub struct GenerateParameters {
     /// Extension (vLLM): scheduling priority, lower first (default 0).
     /// Orders admission and preemption; waiting raises it (`--priority-aging-ms`).
     pub priority: Option<i64>,
+    /// Extension: who the request is for (OpenAI's `user`); with
+    /// `--max-running-per-tenant`, caps that tenant's running requests.
+    pub user: Option<String>,
     /// Set by the OpenAI routes only (vLLM's extra fields); not part of TGI's API.
     #[serde(skip)]
     pub extras: SamplingExtras,

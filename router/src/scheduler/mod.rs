@@ -10,6 +10,7 @@ pub mod plan;
 mod run;
 pub mod sequence;
 pub mod state;
+mod tenant;
 pub mod too_large;
 pub mod update;
 #[cfg(test)]
@@ -46,4 +47,6 @@ pub struct SchedulerConfig {
     /// Waiting this long raises a queued request's priority by one (its
     /// starvation bound); None: no aging.
     pub priority_aging: Option<std::time::Duration>,
+    /// Most sequences one tenant may have running at once; None: no cap.
+    pub max_running_per_tenant: Option<u32>,
 }

@@ -14,6 +14,7 @@ use std::time::Instant;
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
 use super::sequence::Sequence;
 use super::state::State;
+use super::tenant::hold_back_capped;
 use super::too_large::{lifetime_blocks, never_admissible, too_large};
 use super::AdmissionOrder;
 use crate::error::RouterError;
@@ -234,8 +235,12 @@ fn schedule_prompts(st: &mut State, plan: &mut StepPlan, step_tokens: Option<u32
 
 fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alone_ok: bool, now: Instant) {
     order_queue(st, now);
-    let units = units(&st.queue);
-    let candidates: Vec<Candidate> = units.iter().map(|u| candidate(st, u)).collect();
+    let mut units = units(&st.queue);
+    let mut eligible = units.len();
+    if let Some(cap) = st.config.max_running_per_tenant {
+        (units, eligible) = hold_back_capped(&mut st.queue, &st.running, &units, cap);
+    }
+    let candidates: Vec<Candidate> = units[..eligible].iter().map(|u| candidate(st, u)).collect();
     let running = Running {
         sequences: st.running.len() as u32,
         tokens: st.running.iter().map(|s| s.len() as u64).sum(),

@@ -222,6 +222,7 @@ mod tests {
             order: AdmissionOrder::Fifo,
             max_num_batched_tokens: None,
             priority_aging: None,
+            max_running_per_tenant: None,
         }
     }
 

@@ -37,6 +37,7 @@ fn config(mixed: Option<u32>, chunk: Option<u32>, speculate: u32) -> SchedulerCo
         order: AdmissionOrder::Fifo,
         max_num_batched_tokens: mixed,
         priority_aging: None,
+        max_running_per_tenant: None,
     }
 }
 
@@ -55,6 +56,7 @@ fn request(prompt: Vec<u32>, max_new: u32) -> ValidRequest {
         seed: None,
         grammar: None,
         priority: 0,
+        tenant: None,
     }
 }
 
@@ -777,4 +779,91 @@ fn recomputed_tokens_count_exactly_what_preemption_made_the_shard_redo() {
     // sampled token, which was never computed before.
     assert!(recomputed > 0);
     assert_eq!(prompt_tokens, 3 * 6 + recomputed + preempted as u64);
+}
+
+fn for_tenant(mut r: ValidRequest, tenant: &str) -> ValidRequest {
+    r.tenant = Some(tenant.to_string());
+    r
+}
+
+fn running_of(st: &State, tenant: &str) -> usize {
+    st.running.iter().filter(|s| s.request.tenant.as_deref() == Some(tenant)).count()
+}
+
+#[test]
+fn a_tenant_flooding_the_queue_cannot_take_every_seat() {
+    let mut cfg = config(Some(64), None, 0);
+    cfg.budget.max_batch_size = 4;
+    cfg.max_running_per_tenant = Some(2);
+    let (mut st, mut shard) = setup(cfg, 200);
+    for id in 0..6 {
+        st.enqueue(entry(id, for_tenant(request(prompt(id, 5), 6), "flood"), None));
+    }
+    st.enqueue(entry(10, for_tenant(request(prompt(10, 5), 6), "quiet"), None));
+    st.enqueue(entry(11, request(prompt(11, 5), 6), None));
+    let first = schedule(&mut st, Instant::now());
+    let ids: Vec<u64> = first.planned.iter().map(|p| p.id).collect();
+    assert_eq!(ids, vec![0, 1, 10, 11], "the other tenant and the untagged request get seats at once");
+    let resp = shard.step(&first.request);
+    update(&mut st, &first, &resp);
+    let mut out = Outcome::default();
+    while !st.is_idle() {
+        assert!(running_of(&st, "flood") <= 2);
+        let plan = schedule(&mut st, Instant::now());
+        assert!(running_of(&st, "flood") <= 2);
+        let resp = shard.step(&plan.request);
+        let (events, _) = update(&mut st, &plan, &resp);
+        collect(&mut out, events);
+    }
+    for id in 2..6 {
+        assert_eq!(out.tokens[&id], expected(&prompt(id, 5), 6));
+    }
+    // Without the cap the flood takes all four seats first.
+    let mut cfg = config(Some(64), None, 0);
+    cfg.budget.max_batch_size = 4;
+    let (mut st, _) = setup(cfg, 200);
+    for id in 0..6 {
+        st.enqueue(entry(id, for_tenant(request(prompt(id, 5), 6), "flood"), None));
+    }
+    st.enqueue(entry(10, for_tenant(request(prompt(10, 5), 6), "quiet"), None));
+    let plan = schedule(&mut st, Instant::now());
+    assert_eq!(plan.planned.iter().map(|p| p.id).collect::<Vec<_>>(), vec![0, 1, 2, 3]);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Any mix of tenants, priorities and pool pressure: no tenant ever has
+    /// more than the cap running, and everything completes exactly.
+    #[test]
+    fn the_tenant_cap_holds_at_every_step(
+        reqs in prop::collection::vec((1u32..24, 1u32..16, prop::option::of(0u8..3), -1i32..2), 1..12),
+        cap in 1u32..3,
+        blocks in 14u32..60,
+        budget in prop::option::of(8u32..48),
+    ) {
+        let mut cfg = config(budget, None, 0);
+        cfg.max_running_per_tenant = Some(cap);
+        let (mut st, mut shard) = setup(cfg, blocks);
+        for (i, &(len, n, t, p)) in reqs.iter().enumerate() {
+            let mut r = with_priority(request(prompt(i as u64, len), n), p);
+            r.tenant = t.map(|t| format!("t{t}"));
+            st.enqueue(entry(i as u64, r, None));
+        }
+        let mut out = Outcome::default();
+        while !st.is_idle() {
+            out.steps += 1;
+            prop_assert!(out.steps < 10_000);
+            let plan = schedule(&mut st, Instant::now());
+            for t in ["t0", "t1", "t2"] {
+                prop_assert!(running_of(&st, t) <= cap as usize, "{} runs {}", t, running_of(&st, t));
+            }
+            let resp = shard.step(&plan.request);
+            let (events, _) = update(&mut st, &plan, &resp);
+            collect(&mut out, events);
+        }
+        for (i, &(len, n, _, _)) in reqs.iter().enumerate() {
+            prop_assert_eq!(&out.tokens[&(i as u64)], &expected(&prompt(i as u64, len), n));
+        }
+        assert_no_leak(&st);
+    }
 }

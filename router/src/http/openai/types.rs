@@ -63,7 +63,7 @@ pub struct SamplingParams {
     pub min_p: Option<f32>,
     /// Extension: repetition penalty (1 disables).
     pub repetition_penalty: Option<f32>,
-    /// A label for the end user; accepted and not used (no per-user policy).
+    /// The end user: the tenant that `--max-running-per-tenant` caps.
     pub user: Option<String>,
     /// Extension (vLLM): generate past EOS until `max_tokens`.
     #[serde(default, deserialize_with = "null_default")]
