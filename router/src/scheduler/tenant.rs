@@ -26,22 +26,20 @@ pub fn hold_back_capped(
             *count.entry(t).or_default() += 1;
         }
     }
-    let mut eligible = Vec::with_capacity(units.len());
+    let mut ok = vec![true; units.len()];
     for (k, u) in units.iter().enumerate() {
-        let Some(t) = queue[u.start].request.tenant.as_deref() else {
-            eligible.push(k);
-            continue;
-        };
+        let Some(t) = queue[u.start].request.tenant.as_deref() else { continue };
         let n = count.entry(t).or_default();
         if *n == 0 || *n + u.len() as u32 <= cap {
             *n += u.len() as u32;
-            eligible.push(k);
+        } else {
+            ok[k] = false;
         }
     }
-    if eligible.len() == units.len() {
+    let (eligible, held): (Vec<usize>, Vec<usize>) = (0..units.len()).partition(|&k| ok[k]);
+    if held.is_empty() {
         return (units.to_vec(), units.len());
     }
-    let held: Vec<usize> = (0..units.len()).filter(|k| !eligible.contains(k)).collect();
     let mut drained: Vec<Option<Sequence>> = queue.drain(..).map(Some).collect();
     let mut new_units = Vec::with_capacity(units.len());
     for &k in eligible.iter().chain(&held) {
