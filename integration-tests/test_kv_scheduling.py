@@ -4,9 +4,9 @@ small pool (tiny random-weight model: the figures are about scheduling).
 - A request that can never fit the pool gets its 4xx at once, in each API's
   error shape, while other requests keep streaming.
 - Under a priority mix, better-priority requests overtake queued worse ones.
-- Aging bounds starvation: a worse-priority request under a steady stream
-  of better-priority newcomers still runs within (priority gap + 1) x
-  `--priority-aging-ms`, plus the work already ahead of it.
+- Aging bounds starvation: under a steady stream of better-priority
+  newcomers, only those arriving within (priority gap) x `--priority-aging-ms`
+  after a request can overtake it.
 """
 
 import concurrent.futures as cf
@@ -91,47 +91,53 @@ def test_better_priority_overtakes_queued_worse_priority(small):
         with lock:
             done.append(name)
 
-    with cf.ThreadPoolExecutor(8) as pool:
-        # One long request holds the only seat while the others queue.
-        futures = [pool.submit(run, "hold", "Hold the seat", 800, 5)]
-        time.sleep(0.3)
-        futures += [pool.submit(run, f"low{i}", f"Low {i}", 20, 5) for i in range(4)]
-        time.sleep(0.3)
-        assert small.metric("pagemill_queue_size") >= 4
-        futures += [pool.submit(run, "high-tgi", "High one", 20, -5),
-                    pool.submit(run, "high-openai", "High two", 20, -5, True)]
+    with cf.ThreadPoolExecutor(16) as pool:
+        # Eight worse-priority requests fill the queue (one seat: they run one at a time),
+        # then two better-priority ones arrive, on each API.
+        t0 = time.monotonic()
+        futures = [pool.submit(run, f"low{i}", f"Low {i}", 60, 5) for i in range(8)]
+        time.sleep(0.05)
+        futures += [pool.submit(run, "high-tgi", "High one", 60, -5),
+                    pool.submit(run, "high-openai", "High two", 60, -5, True)]
         for f in futures:
             f.result()
-    print("completion order:", done)
-    assert done[0] == "hold"
-    assert set(done[1:3]) == {"high-tgi", "high-openai"}, done
+        elapsed = time.monotonic() - t0
+    print(f"completion order ({elapsed:.1f} s):", done)
+    # At most the low requests admitted before the high ones arrived finish first.
+    positions = [done.index("high-tgi"), done.index("high-openai")]
+    assert max(positions) <= 4, done
 
 
 def test_aging_bounds_how_long_a_worse_priority_waits(small):
-    """Priority 2 against an endless stream of priority 0: within about
-    (2 + 1) aging intervals it ranks ahead of every newcomer."""
+    """Priority 10 against an endless stream of priority 0: newcomers that
+    arrive 10 aging intervals or more after it rank behind it."""
     stop = threading.Event()
-    highs = []
+    highs = []  # (submitted, finished)
 
     def stream():
         while not stop.is_set():
-            r = generate(small, "Stream of newcomers", 40, 0)
+            t = time.monotonic()
+            r = generate(small, "Stream of newcomers", 16, 0)
             assert r.status_code == 200
-            highs.append(time.monotonic())
+            highs.append((t, time.monotonic()))
 
-    threads = [threading.Thread(target=stream) for _ in range(3)]
+    # Enough clients that better-priority requests are always queued.
+    threads = [threading.Thread(target=stream) for _ in range(6)]
     for t in threads:
         t.start()
     time.sleep(1.0)
     t0 = time.monotonic()
-    r = generate(small, "Patient request", 40, 2)
-    waited = time.monotonic() - t0
+    r = generate(small, "Patient request", 16, 10)
+    t1 = time.monotonic()
     stop.set()
     for t in threads:
         t.join()
     assert r.status_code == 200
-    overtaken = sum(1 for h in highs if t0 < h < t0 + waited)
-    print(f"priority 2 finished after {waited:.2f} s, {overtaken} priority-0 newcomers finished meanwhile")
-    # It did wait behind newcomers (priority works) but was not starved.
-    assert overtaken >= 2, overtaken
-    assert waited < (2 + 1) * AGING_MS / 1000 + 10, waited
+    overtook = [(a, b) for a, b in highs if a > t0 and b < t1]
+    print(f"priority 10 finished after {t1 - t0:.2f} s; {len(overtook)} priority-0 newcomers overtook it, "
+          f"submitted at most {max((a - t0 for a, _ in overtook), default=0):.2f} s after it")
+    # It did wait behind newcomers (priority works), but none submitted 10 intervals after it
+    # (plus 0.25 s for the request to reach the queue) got ahead.
+    assert overtook, "no newcomer overtook: the stream did not keep the seat busy"
+    late = [a - t0 for a, b in overtook if a - t0 > 10 * AGING_MS / 1000 + 0.25]
+    assert not late, late

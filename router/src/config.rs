@@ -92,8 +92,8 @@ pub struct RouterConfig {
     /// admit the queued request with the longest cached prefix first (SGLang's LPM)
     #[arg(long)]
     pub cache_aware_admission: bool,
-    /// a queued request's `priority` improves by one per this many ms waited, which bounds how long
-    /// better-priority newcomers can keep overtaking it (0: no aging)
+    /// a queued request's `priority` improves by one per this many ms waited: only better-priority
+    /// requests arriving within (priority gap) x this after it can overtake it (0: no aging)
     #[arg(long, default_value_t = 1000)]
     pub priority_aging_ms: u64,
     /// most sequences one tenant (the request's `user`) may have running at once, so that one

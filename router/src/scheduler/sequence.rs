@@ -70,8 +70,9 @@ impl Sequence {
     }
 
     /// Priority for admission order at `now`: every `aging` waited counts as
-    /// one step up (lower value), so a request waits behind newcomers of a
-    /// better priority q for at most (priority - q) x `aging`.
+    /// one step up (lower value). Everyone ages alike, so only newcomers of a
+    /// better priority q that arrive within (priority - q) x `aging` after
+    /// this one can overtake it: the starvation bound.
     pub fn effective_priority(&self, now: Instant, aging: Option<std::time::Duration>) -> i64 {
         let steps = match aging {
             Some(a) if !a.is_zero() => (now.saturating_duration_since(self.queued_at).as_nanos() / a.as_nanos()) as i64,
