@@ -6,6 +6,7 @@
 //! (tests.rs); the scheduler deals in token ids only.
 
 pub mod admission;
+mod order;
 pub mod plan;
 mod run;
 pub mod sequence;
@@ -17,6 +18,8 @@ pub mod update;
 mod fake_shard;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_priority;
 
 pub use plan::{schedule, StepPlan};
 pub use run::Scheduler;

@@ -15,8 +15,8 @@ use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Runni
 use super::sequence::Sequence;
 use super::state::State;
 use super::tenant::hold_back_capped;
-use super::too_large::{lifetime_blocks, never_admissible, too_large};
-use super::AdmissionOrder;
+use super::order::{order_queue, units};
+use super::too_large::{reject_never_admissible, too_large};
 use crate::error::RouterError;
 use crate::proto::pb;
 
@@ -309,32 +309,6 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
     }
 }
 
-/// Queued units that could not be admitted even alone into an empty batch
-/// leave the queue with an error; the rest keep their order. Without this
-/// one such unit at the head would block everyone behind it forever.
-fn reject_never_admissible(st: &mut State, plan: &mut StepPlan) {
-    if st.queue.is_empty() {
-        return;
-    }
-    let chunked = st.config.max_num_batched_tokens.is_some() || st.config.budget.prefill_chunk_tokens.is_some();
-    let bs = st.kv.block_size();
-    let mut doomed = Vec::new();
-    for u in units(&st.queue) {
-        let c = candidate(st, &u);
-        let r = &st.queue[u.start].request;
-        let n = u.len() as u32;
-        let lifetime = lifetime_blocks(r.input_ids.len() as u32, r.max_new_tokens, st.config.speculate, n, bs);
-        if let Some(err) = never_admissible(&st.config.budget, st.kv.capacity(), bs, &c, lifetime, chunked) {
-            doomed.extend(u.clone().map(|k| (k, err.clone())));
-        }
-    }
-    for (k, err) in doomed.into_iter().rev() {
-        let s = st.queue.remove(k).expect("index of a queued unit");
-        tracing::warn!("request {} can never be scheduled: {err}", s.id);
-        plan.rejected.push((s.id, err));
-    }
-}
-
 /// The budget with room for the running batch to grow: on top of the
 /// watermark, one block per running sequence, which is what the batch
 /// takes over the next `block_size` decode steps. Without it admission
@@ -348,24 +322,7 @@ fn growth_budget(st: &State) -> Budget {
     budget
 }
 
-/// Groups the queue into admission units: a request, or all forks of one
-/// `n`/`best_of` request (they arrive together and go together).
-fn units(queue: &VecDeque<Sequence>) -> Vec<std::ops::Range<usize>> {
-    let mut units = Vec::new();
-    let mut start = 0;
-    while start < queue.len() {
-        let group = queue[start].group;
-        let mut end = start + 1;
-        while group.is_some() && end < queue.len() && queue[end].group == group {
-            end += 1;
-        }
-        units.push(start..end);
-        start = end;
-    }
-    units
-}
-
-fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate {
+pub(super) fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate {
     let bs = st.kv.block_size();
     let leader = &st.queue[unit.start];
     let len = leader.len();
@@ -382,35 +339,6 @@ fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate {
         // cached part counts against availability as well.
         new_blocks: blocks + forks * (blocks - shared),
     }
-}
-
-/// Admission order: best effective priority first (priority raised by the
-/// time waited, see `Sequence::effective_priority`), then, with
-/// `LongestPrefix`, the longest cached prefix, then arrival. Stable, per
-/// admission unit. A preempted sequence keeps its arrival, so it is ahead of
-/// every later arrival of its priority.
-fn order_queue(st: &mut State, now: Instant) {
-    let lpm = st.config.order == AdmissionOrder::LongestPrefix;
-    let aging = st.config.priority_aging;
-    let units = units(&st.queue);
-    let keys: Vec<(i64, std::cmp::Reverse<u32>, u64)> = units
-        .iter()
-        .map(|u| {
-            let s = &st.queue[u.start];
-            let hit = if lpm { st.kv.peek_prefix(&s.tokens) } else { 0 };
-            (s.effective_priority(now, aging), std::cmp::Reverse(hit), s.arrival)
-        })
-        .collect();
-    if keys.windows(2).all(|w| w[0] <= w[1]) {
-        return;
-    }
-    let mut drained: VecDeque<Sequence> = st.queue.drain(..).collect();
-    let mut keyed: Vec<(_, Vec<Sequence>)> = Vec::with_capacity(units.len());
-    for (u, key) in units.iter().zip(keys) {
-        keyed.push((key, drained.drain(..u.len()).collect()));
-    }
-    keyed.sort_by_key(|(key, _)| *key);
-    st.queue = keyed.into_iter().flat_map(|(_, seqs)| seqs).collect();
 }
 
 /// Full prompt blocks a fork shares with its leader: at least one token is

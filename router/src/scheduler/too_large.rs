@@ -10,6 +10,9 @@
 //! no step can take back) ends with a clear error instead of a hang.
 
 use super::admission::{Budget, Candidate};
+use super::order::units;
+use super::plan::{candidate, StepPlan};
+use super::state::State;
 use crate::error::RouterError;
 
 /// KV blocks a request needs at its longest: every prompt token and every
@@ -70,6 +73,32 @@ pub fn never_admissible(
         )));
     }
     None
+}
+
+/// Queued units that could not be admitted even alone into an empty batch
+/// leave the queue with an error; the rest keep their order. Without this
+/// one such unit at the head would block everyone behind it forever.
+pub fn reject_never_admissible(st: &mut State, plan: &mut StepPlan) {
+    if st.queue.is_empty() {
+        return;
+    }
+    let chunked = st.config.max_num_batched_tokens.is_some() || st.config.budget.prefill_chunk_tokens.is_some();
+    let bs = st.kv.block_size();
+    let mut doomed = Vec::new();
+    for u in units(&st.queue) {
+        let c = candidate(st, &u);
+        let r = &st.queue[u.start].request;
+        let n = u.len() as u32;
+        let lifetime = lifetime_blocks(r.input_ids.len() as u32, r.max_new_tokens, st.config.speculate, n, bs);
+        if let Some(err) = never_admissible(&st.config.budget, st.kv.capacity(), bs, &c, lifetime, chunked) {
+            doomed.extend(u.clone().map(|k| (k, err.clone())));
+        }
+    }
+    for (k, err) in doomed.into_iter().rev() {
+        let s = st.queue.remove(k).expect("index of a queued unit");
+        tracing::warn!("request {} can never be scheduled: {err}", s.id);
+        plan.rejected.push((s.id, err));
+    }
 }
 
 #[cfg(test)]
