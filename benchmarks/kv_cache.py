@@ -176,12 +176,17 @@ def part1(a, model_dir: str, tok) -> dict:
             # Prompt tokens computed beyond each prompt once: the recompute preemption cost.
             res["recomputed_tokens"] = (after["pagemill_prefill_tokens_total"] - before["pagemill_prefill_tokens_total"]
                                         - (after["pagemill_prompt_tokens_total"] - before["pagemill_prompt_tokens_total"]))
+            # The router's own count (net of prefix-cache hits on resume).
+            res["recomputed_tokens_metric"] = (after.get("pagemill_recomputed_tokens_total", 0)
+                                               - before.get("pagemill_recomputed_tokens_total", 0))
             res["generated_tokens"] = (after["pagemill_generated_tokens_total"]
                                        - before["pagemill_generated_tokens_total"])
         res["num_blocks"], res["block_size"] = inf["kv_blocks_total"], inf["block_size"]
         runs.append(res)
         print(f"  run {r}: utilization median {res['utilization_median']:.4f}, mean batch {res['batch_mean']:.1f}, "
-              f"{res['preemptions']:.0f} preemptions, {res['wall_s']:.1f} s", flush=True)
+              f"{res['preemptions']:.0f} preemptions, {res['recomputed_tokens']:.0f} recomputed "
+              f"({res['recomputed_tokens_metric']:.0f} by the metric), {res['decode_steps']:.0f} decode steps, "
+              f"{res['wall_s']:.1f} s", flush=True)
     nb, bs = runs[0]["num_blocks"], runs[0]["block_size"]
     tgi = simulate_reservation(plens, lengths, nb, bs)
     reserve_blocks = math.ceil((statistics.fmean(plens) + MAX_NEW) / bs)

@@ -71,6 +71,7 @@ def test_quarter_sized_pool_preempts_and_matches_unconstrained(default_model_dir
     prompts = [f"Write a list of {i % 9 + 3} fruits, then explain why number {i} matters." for i in range(64)]
     outputs = {}
     pre = {}
+    recomputed = {}
     for name, mem in (("big", "512MiB"), ("small", str(100 * 16 * 46080))):
         s = launch(str(default_model_dir), "--max-batch-prefill-tokens", "1024", "--max-input-tokens", "512",
                    "--max-total-tokens", "1024", "--kv-cache-memory", mem, "--max-concurrent-requests", "128")
@@ -87,6 +88,7 @@ def test_quarter_sized_pool_preempts_and_matches_unconstrained(default_model_dir
                 outputs[name] = list(pool.map(one, prompts))
             info = s.info()
             pre[name] = info["preemptions_total"]
+            recomputed[name] = info["recomputed_tokens_total"]
             assert info["kv_blocks_used"] == 0
             if name == "small":
                 assert info["kv_blocks_total"] <= 110
@@ -94,3 +96,5 @@ def test_quarter_sized_pool_preempts_and_matches_unconstrained(default_model_dir
             s.stop()
     assert pre["small"] > 0, "the small pool never preempted"
     assert outputs["small"] == outputs["big"]
+    print(f"small pool: {pre['small']} preemptions, {recomputed['small']} tokens recomputed")
+    assert recomputed["small"] > 0

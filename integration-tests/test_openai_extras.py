@@ -279,8 +279,16 @@ def _seed(w: Walk):
     assert a == b != c
 
 
+def _priority(w: Walk):
+    # Its effect is on order (integration-tests/test_kv_scheduling.py); here: accepted, output unchanged,
+    # and out of range is a 400 naming it.
+    assert w.text(w(priority=-3)) == w.text(w())
+    r = w.raw(priority=2**40)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+
+
 def _labels_only(field: str, value):
-    # Documented in docs/api.md as accepted labels: one model is served, no per-user policy.
+    # Documented in docs/api.md: one model is served; `user` only matters with --max-running-per-tenant.
     def check(w: Walk):
         assert w.text(w(**{field: value})) == w.text(w())
 
@@ -291,6 +299,7 @@ HONOURED = {
     # shared by both routes
     "model": _labels_only("model", "anything"),
     "user": _labels_only("user", "user-1234"),
+    "priority": _priority,
     "max_tokens": lambda w: w(max_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3 or pytest.fail(),
     "temperature": lambda w: (w.text(w(temperature=1.5, seed=3, ignore_eos=True)) != w.text(w(ignore_eos=True)))
     or pytest.fail("temperature had no effect"),

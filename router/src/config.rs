@@ -92,6 +92,14 @@ pub struct RouterConfig {
     /// admit the queued request with the longest cached prefix first (SGLang's LPM)
     #[arg(long)]
     pub cache_aware_admission: bool,
+    /// a queued request's `priority` improves by one per this many ms waited: only better-priority
+    /// requests arriving within (priority gap) x this after it can overtake it (0: no aging)
+    #[arg(long, default_value_t = 1000)]
+    pub priority_aging_ms: u64,
+    /// most sequences one tenant (the request's `user`) may have running at once, so that one
+    /// client cannot take the whole batch (0: no cap)
+    #[arg(long, default_value_t = 0)]
+    pub max_running_per_tenant: u32,
     /// require `Authorization: Bearer <key>` on generation routes
     // Read from the environment too: the launcher passes the key there, not in argv, where any
     // local user could read it with `ps`.

@@ -275,6 +275,10 @@ impl Infer {
             .validation
             .validate(input.inputs, input.input_ids, input.parameters, input.add_special_tokens)
             .await?;
+        if let Err(e) = self.validation.check_fits_pool(&request, n) {
+            RouterState::add(&self.state.requests_too_large_total, 1);
+            return Err(e);
+        }
         if n > 1 && !request.parameters.do_sample {
             // Greedy sequences would all be the same (TGI and vLLM reject this too).
             return Err(RouterError::Validation(format!(

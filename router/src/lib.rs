@@ -66,9 +66,11 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         .await
         .map_err(|e| format!("shard Warmup failed: {}", e.message()))?;
     let kv = KvManager::new(warmup.num_blocks, warmup.block_size, config.prefix_caching);
-    let pool_tokens = kv.capacity() as u64 * warmup.block_size as u64;
+    let kv_blocks = kv.capacity();
+    let pool_tokens = kv_blocks as u64 * warmup.block_size as u64;
     // One request at its longest (plus speculative slots) must always fit, or
-    // preemption could not make progress.
+    // preemption could not make progress. (Forks of `n`/`best_of` together
+    // may still not fit: validation refuses those, see `check_fits_pool`.)
     if pool_tokens < config.max_total_tokens as u64 + shard_info.speculate as u64 {
         return Err(format!(
             "the KV pool holds {pool_tokens} tokens, fewer than max_total_tokens ({}): give the shard more KV memory or lower max_total_tokens",
@@ -104,6 +106,8 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         speculate: shard_info.speculate,
         order: if config.cache_aware_admission { AdmissionOrder::LongestPrefix } else { AdmissionOrder::Fifo },
         max_num_batched_tokens: config.max_num_batched_tokens,
+        priority_aging: (config.priority_aging_ms > 0).then(|| Duration::from_millis(config.priority_aging_ms)),
+        max_running_per_tenant: (config.max_running_per_tenant > 0).then_some(config.max_running_per_tenant),
     };
     let (queue_tx, queue_rx) = mpsc::unbounded_channel();
     let scheduler = Scheduler::new(client.clone(), kv, scheduler_config, queue_rx, state.clone());
@@ -119,6 +123,9 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         default_max_new_tokens: config.default_max_new_tokens,
         max_best_of: config.max_best_of,
         vocab_size: shard_info.vocab_size,
+        kv_blocks,
+        block_size: warmup.block_size,
+        speculate: shard_info.speculate,
     };
     let infer = Infer::new(
         Validation::new(tokenizer.clone(), limits),

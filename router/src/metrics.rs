@@ -135,9 +135,24 @@ pub fn render(st: &RouterState) -> String {
         scalar(&mut out, name, "gauge", help, v);
     }
     let m = &st.metrics;
-    let counters: [(&str, &str, f64); 10] = [
+    let name = "pagemill_queue_size_by_priority";
+    let _ = writeln!(out, "# HELP {name} Requests waiting for admission, by priority\n# TYPE {name} gauge");
+    for (p, n) in st.queue_by_priority.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        let _ = writeln!(out, "{name}{{priority=\"{p}\"}} {n}");
+    }
+    let counters: [(&str, &str, f64); 12] = [
         ("pagemill_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", get(&st.prefix_hit_tokens_total)),
         ("pagemill_preemptions_total", "Sequences preempted when the KV pool ran out", get(&st.preemptions_total)),
+        (
+            "pagemill_recomputed_tokens_total",
+            "Tokens computed again after preemption dropped their KV",
+            get(&st.recomputed_tokens_total),
+        ),
+        (
+            "pagemill_requests_too_large_total",
+            "Requests refused because they can never fit the KV pool or a batch",
+            get(&st.requests_too_large_total),
+        ),
         ("pagemill_requests_total", "Requests accepted", get(&st.requests_total)),
         ("pagemill_requests_failed_total", "Requests ended by a shard failure", get(&st.requests_failed)),
         ("pagemill_prompt_tokens_total", "Prompt tokens of accepted requests", get(&m.prompt_tokens_total)),
@@ -205,7 +220,10 @@ mod tests {
         st.metrics.count_http("/generate", 200);
         st.metrics.count_http("/generate", 200);
         st.metrics.count_http("/v1/chat/completions", 422);
+        *st.queue_by_priority.lock().unwrap() = vec![(-1, 2), (0, 5)];
         let text = render(&st);
+        assert!(text.contains("pagemill_queue_size_by_priority{priority=\"-1\"} 2\n"));
+        assert!(text.contains("pagemill_queue_size_by_priority{priority=\"0\"} 5\n"));
         assert!(text.contains("\npagemill_kv_blocks_used 6\n"));
         assert!(text.contains("pagemill_decode_steps_total 0\n"));
         assert!(text.contains("pagemill_http_requests_total{route=\"/generate\",status=\"200\"} 2\n"));

@@ -105,6 +105,8 @@ mod tests {
             decoder_input_details: false,
             seed: None,
             grammar: None,
+            priority: 0,
+            tenant: None,
         };
         let e = Entry { id: 0, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: deadline, group: None };
         (e, rx)

@@ -27,6 +27,12 @@ pub struct RouterState {
     pub kv_blocks_cached: AtomicU64,
     pub prefix_hit_tokens_total: AtomicU64,
     pub preemptions_total: AtomicU64,
+    /// Requests refused because they can never fit the KV pool or a batch.
+    pub requests_too_large_total: AtomicU64,
+    /// Tokens computed again because preemption dropped their KV.
+    pub recomputed_tokens_total: AtomicU64,
+    /// Queued requests per `priority` value, ascending (empty levels left out).
+    pub queue_by_priority: std::sync::Mutex<Vec<(i32, u64)>>,
     /// KV utilization of running sequences, parts per million.
     pub kv_utilization_ppm: AtomicU64,
     /// Latency histograms and per-route counters, written by the HTTP side.

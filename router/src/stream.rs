@@ -237,6 +237,8 @@ mod tests {
             decoder_input_details: false,
             seed: Some(7),
             grammar: None,
+            priority: 0,
+            tenant: None,
         }
     }
 

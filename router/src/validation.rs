@@ -8,6 +8,7 @@ use tokenizers::Tokenizer;
 use crate::error::RouterError;
 use crate::http::types::GenerateParameters;
 use crate::proto::pb;
+use crate::scheduler::too_large::{lifetime_blocks, too_large};
 
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -20,6 +21,11 @@ pub struct Limits {
     pub max_best_of: u32,
     /// The model's vocabulary (from the shard): token ids must be below it.
     pub vocab_size: u32,
+    /// KV blocks in the pool, tokens per block, and the speculative slots
+    /// each decode step takes: a request must fit the pool alone.
+    pub kv_blocks: u32,
+    pub block_size: u32,
+    pub speculate: u32,
 }
 
 /// Most `stop_token_ids` and `logit_bias` entries in one request (OpenAI
@@ -44,6 +50,11 @@ pub struct ValidRequest {
     pub seed: Option<u64>,
     /// Constrained decoding, checked here (schema is an object, regex compiles).
     pub grammar: Option<pb::Grammar>,
+    /// Scheduling priority: lower values are admitted first and preempted
+    /// last (as vLLM's); 0 by default.
+    pub priority: i32,
+    /// Who sent it (`user`), for the per-tenant cap; None: not capped.
+    pub tenant: Option<String>,
 }
 
 #[derive(Clone)]
@@ -197,6 +208,12 @@ impl Validation {
         if grammar.is_some() && (min_new_tokens > 0 || !stop_token_ids.is_empty()) {
             return Err(invalid("`min_tokens` and `stop_token_ids` cannot be combined with `response_format`"));
         }
+        let priority = match p.priority {
+            None => 0,
+            Some(v) => i32::try_from(v).map_err(|_| {
+                invalid(format!("`priority` must be in [{}, {}], got {v}", i32::MIN, i32::MAX))
+            })?,
+        };
         Ok(ValidRequest {
             inputs,
             input_ids,
@@ -210,6 +227,8 @@ impl Validation {
             decoder_input_details: p.decoder_input_details,
             seed: p.seed,
             grammar,
+            priority,
+            tenant: p.user.filter(|u| !u.is_empty()),
         })
     }
 
@@ -250,6 +269,18 @@ impl Validation {
     }
 
     /// `n` / `best_of`: how many sequences one request fans out into.
+    /// A request (with its `n` forks) that needs more KV blocks at its
+    /// longest than the whole pool could never finish: it is refused here
+    /// rather than preempted and retried forever.
+    pub fn check_fits_pool(&self, r: &ValidRequest, n: u32) -> Result<(), RouterError> {
+        let l = &self.limits;
+        let needed = lifetime_blocks(r.input_ids.len() as u32, r.max_new_tokens, l.speculate, n, l.block_size);
+        if needed > l.kv_blocks as u64 {
+            return Err(too_large(needed, l.kv_blocks, l.block_size));
+        }
+        Ok(())
+    }
+
     pub fn check_fanout(&self, name: &str, n: u32) -> Result<(), RouterError> {
         if n == 0 {
             return Err(invalid(format!("`{name}` must be strictly positive")));
@@ -327,6 +358,9 @@ mod tests {
             default_max_new_tokens: 8,
             max_best_of: 2,
             vocab_size: 10,
+            kv_blocks: 8,
+            block_size: 4,
+            speculate: 0,
         };
         Validation::new(Arc::new(Tokenizer::from_str(json).unwrap()), limits)
     }
@@ -377,5 +411,25 @@ mod tests {
         let mut p = min(2);
         p.grammar = Some(crate::grammar::GrammarParam::Json(serde_json::json!({})));
         assert!(check(None, p).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn a_request_longer_than_the_pool_is_refused_with_the_numbers() {
+        let v = validation();
+        // 2 prompt tokens + 31 new = 32 tokens at most, 8 blocks of 4: fits exactly.
+        let p = GenerateParameters { max_new_tokens: Some(30), ..Default::default() };
+        let r = v.validate("a b".into(), None, p, true).await.unwrap();
+        assert!(v.check_fits_pool(&r, 1).is_ok());
+        let p = GenerateParameters { max_new_tokens: Some(30), ..Default::default() };
+        let mut r = v.validate("a b".into(), None, p, true).await.unwrap();
+        r.max_new_tokens = 32;
+        let e = v.check_fits_pool(&r, 1).unwrap_err();
+        assert_eq!(e.error_type(), "validation");
+        assert!(e.to_string().contains("needs 9 blocks") && e.to_string().contains("holds 8"), "{e}");
+        // Two forks of a 2-token prompt share no full block: 2 x 4 blocks fit, 2 x 5 do not.
+        r.max_new_tokens = 15;
+        assert!(v.check_fits_pool(&r, 2).is_ok());
+        r.max_new_tokens = 16;
+        assert!(v.check_fits_pool(&r, 2).is_err());
     }
 }

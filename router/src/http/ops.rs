@@ -54,6 +54,8 @@ pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
         "prefix_hit_tokens_total": RouterState::get(&st.prefix_hit_tokens_total),
         "prefill_tokens_total": RouterState::get(&st.prefill_tokens_total),
         "preemptions_total": RouterState::get(&st.preemptions_total),
+        "requests_too_large_total": RouterState::get(&st.requests_too_large_total),
+        "recomputed_tokens_total": RouterState::get(&st.recomputed_tokens_total),
         "kv_blocks_total": total,
         "kv_blocks_free": free,
         "kv_blocks_used": total.saturating_sub(free),
@@ -99,6 +101,9 @@ mod tests {
             default_max_new_tokens: 1,
             max_best_of: 1,
             vocab_size: 2,
+            kv_blocks: 16,
+            block_size: 4,
+            speculate: 0,
         };
         let (queue_tx, _) = tokio::sync::mpsc::unbounded_channel();
         let infer = Infer::new(

@@ -68,6 +68,12 @@ pub struct GenerateParameters {
     pub ignore_eos_token: bool,
     /// Constrained decoding: a JSON schema or a regex.
     pub grammar: Option<GrammarParam>,
+    /// Extension (vLLM): scheduling priority, lower first (default 0).
+    /// Orders admission and preemption; waiting raises it (`--priority-aging-ms`).
+    pub priority: Option<i64>,
+    /// Extension: who the request is for (OpenAI's `user`); with
+    /// `--max-running-per-tenant`, caps that tenant's running requests.
+    pub user: Option<String>,
     /// Set by the OpenAI routes only (vLLM's extra fields); not part of TGI's API.
     #[serde(skip)]
     pub extras: SamplingExtras,

@@ -6,15 +6,20 @@
 //! (tests.rs); the scheduler deals in token ids only.
 
 pub mod admission;
+mod order;
 pub mod plan;
 mod run;
 pub mod sequence;
 pub mod state;
+mod tenant;
+pub mod too_large;
 pub mod update;
 #[cfg(test)]
 mod fake_shard;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_priority;
 
 pub use plan::{schedule, StepPlan};
 pub use run::Scheduler;
@@ -42,4 +47,9 @@ pub struct SchedulerConfig {
     /// Mixed steps: decode tokens plus prompt chunks up to this many tokens
     /// per step; `None`: prefill and decode steps alternate.
     pub max_num_batched_tokens: Option<u32>,
+    /// Waiting this long raises a queued request's priority by one (its
+    /// starvation bound); None: no aging.
+    pub priority_aging: Option<std::time::Duration>,
+    /// Most sequences one tenant may have running at once; None: no cap.
+    pub max_running_per_tenant: Option<u32>,
 }

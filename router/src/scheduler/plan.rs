@@ -14,7 +14,10 @@ use std::time::Instant;
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
 use super::sequence::Sequence;
 use super::state::State;
-use super::AdmissionOrder;
+use super::tenant::hold_back_capped;
+use super::order::{order_queue, units};
+use super::too_large::{reject_never_admissible, too_large};
+use crate::error::RouterError;
 use crate::proto::pb;
 
 /// One scheduled range of one sequence, as the plan promised it.
@@ -39,6 +42,11 @@ pub struct StepPlan {
     /// the prefix cache at admission (metrics).
     pub prompt_tokens: u64,
     pub prefix_hit_tokens: u64,
+    /// Sequences ended because they can never fit (see `too_large.rs`):
+    /// their streams get the error, the shard is told to forget them.
+    pub rejected: Vec<(u64, RouterError)>,
+    /// Tokens resumed sequences compute again, their KV lost to preemption.
+    pub recomputed_tokens: u64,
 }
 
 impl StepPlan {
@@ -67,6 +75,9 @@ impl StepPlan {
         s.on_shard = true;
         if prompt {
             self.prompt_tokens += num_tokens as u64;
+            // The part of this range a preemption had computed before.
+            let redo = s.lost.min(s.num_computed + num_tokens).saturating_sub(s.num_computed);
+            self.recomputed_tokens += redo as u64;
         }
         self.planned.push(Planned {
             id: s.id,
@@ -81,6 +92,7 @@ impl StepPlan {
 
 pub fn schedule(st: &mut State, now: Instant) -> StepPlan {
     let mut plan = StepPlan::default();
+    reject_never_admissible(st, &mut plan);
     match st.config.max_num_batched_tokens {
         Some(budget) => {
             let used = schedule_decodes(st, &mut plan);
@@ -114,6 +126,8 @@ pub fn schedule(st: &mut State, now: Instant) -> StepPlan {
 /// preempted. Returns the step tokens used.
 fn schedule_decodes(st: &mut State, plan: &mut StepPlan) -> u32 {
     let spec = st.config.speculate;
+    // Better priorities grow first; the rest, and the victims, come after.
+    st.running.sort_by_key(|s| (s.priority(), s.admitted_at));
     let mut preempted = Vec::new();
     let mut used = 0;
     let mut i = 0;
@@ -123,21 +137,33 @@ fn schedule_decodes(st: &mut State, plan: &mut StepPlan) -> u32 {
             continue;
         }
         let end = st.running[i].len() + spec;
-        let mut kept = true;
-        loop {
-            let s = &mut st.running[i];
-            if s.blocks.as_mut().is_some_and(|b| b.ensure_capacity(end)) {
-                break;
+        let grown = loop {
+            if st.running[i].blocks.as_mut().is_some_and(|b| b.ensure_capacity(end)) {
+                break true;
             }
-            let victim = st.running.pop().expect("the sequence being grown is running");
-            preempted.push(preempt(st, victim));
-            if st.running.len() == i {
-                kept = false;
-                break;
+            if st.running.len() == 1 {
+                // Alone, with every other block free or evictable: it has
+                // outgrown the pool. Preempting it would only repeat this.
+                let s = st.running.remove(i);
+                let s = st.release(s, true);
+                let bs = st.kv.block_size();
+                let needed = st.kv.blocks_for(end) as u64;
+                tracing::warn!("request {} outgrew the KV pool after {} tokens", s.id, s.generated);
+                plan.rejected.push((s.id, too_large(needed, st.kv.capacity(), bs)));
+                break false;
             }
-        }
-        if !kept {
-            break;
+            let v = victim(&st.running, i);
+            let s = st.running.remove(v);
+            preempted.push(preempt(st, s));
+            match v.cmp(&i) {
+                std::cmp::Ordering::Equal => break false,
+                std::cmp::Ordering::Less => i -= 1,
+                std::cmp::Ordering::Greater => {}
+            }
+        };
+        if !grown {
+            // `i` now points at the next sequence.
+            continue;
         }
         let s = &mut st.running[i];
         let n = s.pending();
@@ -146,12 +172,28 @@ fn schedule_decodes(st: &mut State, plan: &mut StepPlan) -> u32 {
         i += 1;
     }
     plan.preempted += preempted.len() as u32;
-    // Oldest first at the head of the queue: they resume before new work.
-    preempted.sort_by_key(|s| s.admitted_at);
+    // Back to the queue; admission orders it by priority and arrival, so
+    // they resume before anything that arrived after them.
+    preempted.sort_by_key(|s| s.arrival);
     for s in preempted.into_iter().rev() {
         st.queue.push_front(s);
     }
     used
+}
+
+/// Which running sequence to preempt so that `running[grow]` can grow: one
+/// not yet in this step's plan (`grow` itself, those after it, or prompts
+/// still under way). The worst priority goes first; among equals, the one
+/// that loses the least work (fewest computed tokens to redo), then the
+/// newest.
+fn victim(running: &[Sequence], grow: usize) -> usize {
+    (0..running.len())
+        .filter(|&j| j >= grow || !running[j].prefilled)
+        .max_by_key(|&j| {
+            let s = &running[j];
+            (s.priority(), std::cmp::Reverse(s.num_computed), s.admitted_at)
+        })
+        .expect("the sequence being grown is a candidate")
 }
 
 /// Preemption by recompute: computed blocks go to the prefix cache, so on
@@ -159,6 +201,7 @@ fn schedule_decodes(st: &mut State, plan: &mut StepPlan) -> u32 {
 fn preempt(st: &mut State, s: Sequence) -> Sequence {
     let mut s = st.release(s, true);
     tracing::debug!("preempted request {} after {} tokens", s.id, s.generated);
+    s.lost = s.num_computed;
     s.preemptions += 1;
     s.num_computed = 0;
     s.sent_blocks = 0;
@@ -191,11 +234,13 @@ fn schedule_prompts(st: &mut State, plan: &mut StepPlan, step_tokens: Option<u32
 }
 
 fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alone_ok: bool, now: Instant) {
-    if st.config.order == AdmissionOrder::LongestPrefix {
-        sort_queue_by_cached_prefix(st);
+    order_queue(st, now);
+    let mut units = units(&st.queue);
+    let mut eligible = units.len();
+    if let Some(cap) = st.config.max_running_per_tenant {
+        (units, eligible) = hold_back_capped(&mut st.queue, &st.running, &units, cap);
     }
-    let units = units(&st.queue);
-    let candidates: Vec<Candidate> = units.iter().map(|u| candidate(st, u)).collect();
+    let candidates: Vec<Candidate> = units[..eligible].iter().map(|u| candidate(st, u)).collect();
     let running = Running {
         sequences: st.running.len() as u32,
         tokens: st.running.iter().map(|s| s.len() as u64).sum(),
@@ -277,24 +322,7 @@ fn growth_budget(st: &State) -> Budget {
     budget
 }
 
-/// Groups the queue into admission units: a request, or all forks of one
-/// `n`/`best_of` request (they arrive together and go together).
-fn units(queue: &VecDeque<Sequence>) -> Vec<std::ops::Range<usize>> {
-    let mut units = Vec::new();
-    let mut start = 0;
-    while start < queue.len() {
-        let group = queue[start].group;
-        let mut end = start + 1;
-        while group.is_some() && end < queue.len() && queue[end].group == group {
-            end += 1;
-        }
-        units.push(start..end);
-        start = end;
-    }
-    units
-}
-
-fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate {
+pub(super) fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate {
     let bs = st.kv.block_size();
     let leader = &st.queue[unit.start];
     let len = leader.len();
@@ -311,19 +339,6 @@ fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate {
         // cached part counts against availability as well.
         new_blocks: blocks + forks * (blocks - shared),
     }
-}
-
-fn sort_queue_by_cached_prefix(st: &mut State) {
-    let units = units(&st.queue);
-    let hits: Vec<u32> = units.iter().map(|u| st.kv.peek_prefix(&st.queue[u.start].tokens)).collect();
-    let mut drained: VecDeque<Sequence> = st.queue.drain(..).collect();
-    let mut keyed: Vec<(u32, Vec<Sequence>)> = Vec::with_capacity(units.len());
-    for (u, hit) in units.iter().zip(hits) {
-        keyed.push((hit, drained.drain(..u.len()).collect()));
-    }
-    // Stable: equal hits keep arrival order.
-    keyed.sort_by_key(|(hit, _)| std::cmp::Reverse(*hit));
-    st.queue = keyed.into_iter().flat_map(|(_, seqs)| seqs).collect();
 }
 
 /// Full prompt blocks a fork shares with its leader: at least one token is

@@ -68,7 +68,8 @@ impl Scheduler {
                 self.enqueue(e);
             }
             self.drop_leaving();
-            let plan = schedule(&mut self.state, Instant::now());
+            let mut plan = schedule(&mut self.state, Instant::now());
+            self.reject(std::mem::take(&mut plan.rejected));
             if plan.is_empty() {
                 if !plan.request.finished_ids.is_empty() && !self.step_finished_only(plan).await {
                     continue;
@@ -84,6 +85,7 @@ impl Scheduler {
                 continue;
             }
             RouterState::add(&self.router.preemptions_total, plan.preempted as u64);
+            RouterState::add(&self.router.recomputed_tokens_total, plan.recomputed_tokens);
             RouterState::add(&self.router.prefill_tokens_total, plan.prompt_tokens);
             RouterState::add(&self.router.prefix_hit_tokens_total, plan.prefix_hit_tokens);
             let started = Instant::now();
@@ -146,6 +148,16 @@ impl Scheduler {
         }
     }
 
+    /// Requests that can never fit end with their error (a 4xx).
+    fn reject(&mut self, rejected: Vec<(u64, RouterError)>) {
+        if rejected.is_empty() {
+            return;
+        }
+        RouterState::add(&self.router.requests_too_large_total, rejected.len() as u64);
+        self.deliver(rejected.into_iter().map(|(id, e)| (id, Err(e))).collect());
+        self.publish();
+    }
+
     fn deliver(&mut self, events: Vec<Event>) {
         let mut failed = 0;
         for (id, event) in events {
@@ -181,6 +193,7 @@ impl Scheduler {
         let st = &self.router;
         let kv = self.state.kv.stats();
         RouterState::set(&st.queue_size, self.state.queue.len() as u64);
+        *st.queue_by_priority.lock().unwrap_or_else(|e| e.into_inner()) = self.state.queue_by_priority();
         RouterState::set(&st.batch_size, self.state.running.len() as u64);
         RouterState::set(&st.kv_blocks_free, (kv.free + kv.cached_unused) as u64);
         RouterState::set(&st.kv_blocks_cached, kv.cached as u64);
@@ -208,6 +221,8 @@ mod tests {
             speculate: 0,
             order: AdmissionOrder::Fifo,
             max_num_batched_tokens: None,
+            priority_aging: None,
+            max_running_per_tenant: None,
         }
     }
 

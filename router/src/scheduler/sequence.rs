@@ -33,6 +33,12 @@ pub struct Sequence {
     pub admitted_at: u64,
     pub started_at: Instant,
     pub preemptions: u32,
+    /// Arrival order (set by `State::enqueue`); kept across preemptions,
+    /// so a resumed sequence keeps its place ahead of later arrivals.
+    pub arrival: u64,
+    /// Tokens whose KV the last preemption gave up (what resuming recomputes
+    /// unless the prefix cache still holds them).
+    pub lost: u32,
 }
 
 impl Sequence {
@@ -54,7 +60,25 @@ impl Sequence {
             admitted_at: 0,
             started_at: queued_at,
             preemptions: 0,
+            arrival: 0,
+            lost: 0,
         }
+    }
+
+    pub fn priority(&self) -> i32 {
+        self.request.priority
+    }
+
+    /// Priority for admission order at `now`: every `aging` waited counts as
+    /// one step up (lower value). Everyone ages alike, so only newcomers of a
+    /// better priority q that arrive within (priority - q) x `aging` after
+    /// this one can overtake it: the starvation bound.
+    pub fn effective_priority(&self, now: Instant, aging: Option<std::time::Duration>) -> i64 {
+        let steps = match aging {
+            Some(a) if !a.is_zero() => (now.saturating_duration_since(self.queued_at).as_nanos() / a.as_nanos()) as i64,
+            _ => 0,
+        };
+        self.priority() as i64 - steps
     }
 
     pub fn len(&self) -> u32 {

@@ -20,6 +20,7 @@ pub struct State {
     /// Ids the shard still holds that the router ended since the last step.
     pub finished: Vec<u64>,
     pub admissions: u64,
+    pub arrivals: u64,
     /// Without mixed steps, prefill and decode steps alternate.
     pub last_was_prefill: bool,
 }
@@ -33,12 +34,16 @@ impl State {
             running: Vec::new(),
             finished: Vec::new(),
             admissions: 0,
+            arrivals: 0,
             last_was_prefill: false,
         }
     }
 
     pub fn enqueue(&mut self, entry: Entry) {
-        self.queue.push_back(Sequence::new(entry));
+        let mut s = Sequence::new(entry);
+        self.arrivals += 1;
+        s.arrival = self.arrivals;
+        self.queue.push_back(s);
     }
 
     pub fn is_idle(&self) -> bool {
@@ -99,6 +104,15 @@ impl State {
     pub fn fail_running(&mut self) -> Vec<u64> {
         let running = std::mem::take(&mut self.running);
         running.into_iter().map(|s| self.release(s, false).id).collect()
+    }
+
+    /// Queued sequences per priority value, ascending.
+    pub fn queue_by_priority(&self) -> Vec<(i32, u64)> {
+        let mut by: std::collections::BTreeMap<i32, u64> = std::collections::BTreeMap::new();
+        for s in &self.queue {
+            *by.entry(s.priority()).or_default() += 1;
+        }
+        by.into_iter().collect()
     }
 
     /// Tokens with KV held by running sequences over slots allocated to

@@ -13,6 +13,7 @@ use super::admission::Budget;
 use super::fake_shard::{next_token, FakeShard, EOS};
 use super::plan::schedule;
 use super::state::State;
+use super::too_large::lifetime_blocks;
 use super::update::{is_terminal, update};
 use super::{AdmissionOrder, SchedulerConfig};
 use crate::error::RouterError;
@@ -21,9 +22,9 @@ use crate::proto::pb;
 use crate::queue::{Entry, Finish, SeqEvent};
 use crate::validation::ValidRequest;
 
-const BS: u32 = 4;
+pub(super) const BS: u32 = 4;
 
-fn config(mixed: Option<u32>, chunk: Option<u32>, speculate: u32) -> SchedulerConfig {
+pub(super) fn config(mixed: Option<u32>, chunk: Option<u32>, speculate: u32) -> SchedulerConfig {
     SchedulerConfig {
         budget: Budget {
             max_batch_prefill_tokens: 256,
@@ -35,10 +36,12 @@ fn config(mixed: Option<u32>, chunk: Option<u32>, speculate: u32) -> SchedulerCo
         speculate,
         order: AdmissionOrder::Fifo,
         max_num_batched_tokens: mixed,
+        priority_aging: None,
+        max_running_per_tenant: None,
     }
 }
 
-fn request(prompt: Vec<u32>, max_new: u32) -> ValidRequest {
+pub(super) fn request(prompt: Vec<u32>, max_new: u32) -> ValidRequest {
     ValidRequest {
         inputs: String::new(),
         input_ids: prompt,
@@ -52,16 +55,18 @@ fn request(prompt: Vec<u32>, max_new: u32) -> ValidRequest {
         decoder_input_details: false,
         seed: None,
         grammar: None,
+        priority: 0,
+        tenant: None,
     }
 }
 
-fn entry(id: u64, request: ValidRequest, group: Option<u64>) -> Entry {
+pub(super) fn entry(id: u64, request: ValidRequest, group: Option<u64>) -> Entry {
     let (tx, _rx) = mpsc::unbounded_channel();
     Entry { id, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: None, group }
 }
 
 /// What the fake model generates after `prompt`, `n` tokens (ignoring EOS).
-fn expected(prompt: &[u32], n: u32) -> Vec<u32> {
+pub(super) fn expected(prompt: &[u32], n: u32) -> Vec<u32> {
     let mut ctx = prompt.to_vec();
     for _ in 0..n {
         ctx.push(next_token(&ctx));
@@ -69,28 +74,37 @@ fn expected(prompt: &[u32], n: u32) -> Vec<u32> {
     ctx[prompt.len()..].to_vec()
 }
 
-fn prompt(id: u64, len: u32) -> Vec<u32> {
+pub(super) fn prompt(id: u64, len: u32) -> Vec<u32> {
     (0..len).map(|i| 3 + ((id as u32 * 7 + i * 13) % 90)).collect()
 }
 
 #[derive(Default, Debug)]
-struct Outcome {
-    tokens: HashMap<u64, Vec<u32>>,
-    finish: HashMap<u64, Option<Finish>>,
-    errors: HashMap<u64, RouterError>,
-    steps: usize,
+pub(super) struct Outcome {
+    pub tokens: HashMap<u64, Vec<u32>>,
+    pub finish: HashMap<u64, Option<Finish>>,
+    pub errors: HashMap<u64, RouterError>,
+    pub steps: usize,
     /// Per step: prompt tokens, and decode tokens with their proposal room.
-    step_tokens: Vec<(u32, u32)>,
+    pub step_tokens: Vec<(u32, u32)>,
 }
 
 /// Runs schedule/step/update until nothing is left (or a step limit is hit,
 /// which fails the test: the scheduler must never hang).
-fn drive(st: &mut State, shard: &mut FakeShard) -> Outcome {
+pub(super) fn drive(st: &mut State, shard: &mut FakeShard) -> Outcome {
     let mut out = Outcome::default();
     while !st.is_idle() {
         out.steps += 1;
         assert!(out.steps < 10_000, "the scheduler made no progress");
-        let plan = schedule(st, Instant::now());
+        let mut plan = schedule(st, Instant::now());
+        let rejected = std::mem::take(&mut plan.rejected);
+        let refused = !rejected.is_empty();
+        collect(&mut out, rejected.into_iter().map(|(id, e)| (id, Err(e))).collect());
+        if plan.is_empty() && refused {
+            if !plan.request.finished_ids.is_empty() {
+                shard.step(&plan.request);
+            }
+            continue;
+        }
         assert!(!plan.is_empty(), "work is left but nothing was scheduled");
         let prompt_tokens = plan.planned.iter().filter(|p| p.prompt).map(|p| p.num_tokens).sum();
         let decode_cost = plan.planned.iter().filter(|p| !p.prompt).map(|p| p.num_tokens + p.max_proposals).sum();
@@ -102,7 +116,7 @@ fn drive(st: &mut State, shard: &mut FakeShard) -> Outcome {
     out
 }
 
-fn collect(out: &mut Outcome, events: Vec<super::update::Event>) {
+pub(super) fn collect(out: &mut Outcome, events: Vec<super::update::Event>) {
     for (id, ev) in events {
         let terminal = is_terminal(&ev);
         match ev {
@@ -120,11 +134,11 @@ fn collect(out: &mut Outcome, events: Vec<super::update::Event>) {
     }
 }
 
-fn setup(cfg: SchedulerConfig, num_blocks: u32) -> (State, FakeShard) {
+pub(super) fn setup(cfg: SchedulerConfig, num_blocks: u32) -> (State, FakeShard) {
     (State::new(cfg, KvManager::new(num_blocks, BS, true)), FakeShard::new(BS, num_blocks))
 }
 
-fn assert_no_leak(st: &State) {
+pub(super) fn assert_no_leak(st: &State) {
     let kv = st.kv.stats();
     assert_eq!(kv.used(), 0, "blocks still held after every sequence ended: {kv:?}");
 }
@@ -459,4 +473,145 @@ proptest! {
         assert_no_leak(&st);
         prop_assert_eq!(shard.held(), 0);
     }
+}
+
+#[test]
+fn a_request_that_can_never_fit_is_refused_at_once_and_the_rest_are_served() {
+    // 14 usable blocks of 4 = 56 tokens; request 1 needs 6 + 99 tokens.
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 15);
+    st.enqueue(entry(1, request(prompt(1, 6), 100), None));
+    for id in [0, 2] {
+        st.enqueue(entry(id, request(prompt(id, 6), 10), None));
+    }
+    let first = schedule(&mut st, Instant::now());
+    assert_eq!(first.rejected.len(), 1, "refused on the first step, not after retries");
+    assert_eq!(first.rejected[0].0, 1);
+    let msg = first.rejected[0].1.to_string();
+    assert!(msg.contains("needs 27 blocks") && msg.contains("holds 14"), "{msg}");
+    assert_eq!(first.rejected[0].1.error_type(), "validation");
+    assert_eq!(first.planned.len(), 2, "the requests behind it are admitted in the same step");
+    let resp = shard.step(&first.request);
+    let (events, _) = update(&mut st, &first, &resp);
+    let mut out = Outcome::default();
+    collect(&mut out, events);
+    let rest = drive(&mut st, &mut shard);
+    for id in [0, 2] {
+        let mut all = out.tokens.remove(&id).unwrap_or_default();
+        all.extend(rest.tokens.get(&id).cloned().unwrap_or_default());
+        assert_eq!(all, expected(&prompt(id, 6), 10), "request {id}");
+    }
+    assert!(rest.errors.is_empty());
+    assert_no_leak(&st);
+}
+
+#[test]
+fn forks_that_together_outgrow_the_pool_are_refused() {
+    // Each of 3 forks alone fits (6 + 19 tokens = 7 blocks), together 1 + 3 x 6 = 19 > 14.
+    let (mut st, mut shard) = setup(config(None, None, 0), 15);
+    assert_eq!(lifetime_blocks(6, 20, 0, 3, BS), 19);
+    for id in 10..13 {
+        st.enqueue(entry(id, request(prompt(4, 6), 20), Some(10)));
+    }
+    st.enqueue(entry(20, request(prompt(5, 6), 3), None));
+    let out = drive(&mut st, &mut shard);
+    for id in 10..13 {
+        assert_eq!(out.errors[&id].error_type(), "validation", "fork {id}");
+    }
+    assert_eq!(out.tokens[&20], expected(&prompt(5, 6), 3));
+    assert_no_leak(&st);
+}
+
+#[test]
+fn a_sequence_that_outgrows_the_pool_alone_ends_with_an_error_not_a_retry_loop() {
+    // Admission saw max_new_tokens 4; the sequence then grows as if it had
+    // asked for 100 (what a check that is bypassed would let through).
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 15);
+    let p = prompt(3, 6);
+    st.enqueue(entry(3, request(p.clone(), 4), None));
+    let mut plan = schedule(&mut st, Instant::now());
+    st.running[0].request.max_new_tokens = 100;
+    let stop = plan.request.requests[0].new_request.as_mut().unwrap().stopping_parameters.as_mut().unwrap();
+    stop.max_new_tokens = 100;
+    let resp = shard.step(&plan.request);
+    let (events, _) = update(&mut st, &plan, &resp);
+    let mut out = Outcome::default();
+    collect(&mut out, events);
+    let rest = drive(&mut st, &mut shard);
+    let err = &rest.errors[&3];
+    assert_eq!(err.error_type(), "validation");
+    assert!(err.to_string().contains("holds 14"), "{err}");
+    // 56 slots: it ran until its table needed a 15th block, and every token
+    // it streamed is the model's.
+    let mut got = out.tokens.remove(&3).unwrap_or_default();
+    got.extend(rest.tokens.get(&3).cloned().unwrap_or_default());
+    assert_eq!(got.len(), 56 - 6 + 1);
+    assert_eq!(got, expected(&p, got.len() as u32));
+    assert!(rest.steps < 100, "{} steps", rest.steps);
+    assert_eq!(shard.held(), 0, "the shard is told to forget it");
+    assert_no_leak(&st);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(48))]
+    /// Requests of any size against a small pool: a request is refused
+    /// exactly when it needs more blocks at its longest than the pool
+    /// holds; every other request completes with the model's tokens, no
+    /// step loops forever, and every block comes back.
+    #[test]
+    fn oversized_requests_are_refused_and_never_block_the_rest(
+        reqs in prop::collection::vec((1u32..40, 1u32..60, 1u32..3), 1..10),
+        budget in prop::option::of(8u32..48),
+        chunk in prop::option::of(4u32..20),
+        blocks in 8u32..30,
+    ) {
+        let mut cfg = config(budget, chunk, 0);
+        cfg.budget.max_batch_prefill_tokens = 64;
+        let (mut st, mut shard) = setup(cfg, blocks);
+        let capacity = st.kv.capacity() as u64;
+        for (i, &(len, n, forks)) in reqs.iter().enumerate() {
+            let group = (forks > 1).then_some(1000 + i as u64);
+            for f in 0..forks as u64 {
+                st.enqueue(entry(i as u64 * 10 + f, request(prompt(i as u64, len), n), group));
+            }
+        }
+        let out = drive(&mut st, &mut shard);
+        for (i, &(len, n, forks)) in reqs.iter().enumerate() {
+            let too_big = lifetime_blocks(len, n, 0, forks, BS) > capacity;
+            for f in 0..forks as u64 {
+                let id = i as u64 * 10 + f;
+                if too_big {
+                    prop_assert_eq!(out.errors.get(&id).map(|e| e.error_type()), Some("validation"));
+                    prop_assert!(!out.tokens.contains_key(&id), "request {} streamed before its refusal", id);
+                } else {
+                    prop_assert!(!out.errors.contains_key(&id), "request {}: {:?}", id, out.errors.get(&id));
+                    prop_assert_eq!(&out.tokens[&id], &expected(&prompt(i as u64, len), n));
+                }
+            }
+        }
+        assert_no_leak(&st);
+        prop_assert_eq!(shard.held(), 0);
+    }
+}
+
+#[test]
+fn recomputed_tokens_count_exactly_what_preemption_made_the_shard_redo() {
+    let (mut st, mut shard) = setup(config(Some(64), None, 0), 13);
+    for id in 0..3 {
+        st.enqueue(entry(id, request(prompt(id, 6), 24), None));
+    }
+    let (mut recomputed, mut prompt_tokens, mut preempted) = (0u64, 0u64, 0);
+    while !st.is_idle() {
+        let plan = schedule(&mut st, Instant::now());
+        recomputed += plan.recomputed_tokens;
+        prompt_tokens += plan.prompt_tokens;
+        preempted += plan.preempted;
+        let resp = shard.step(&plan.request);
+        update(&mut st, &plan, &resp);
+    }
+    assert!(preempted > 0);
+    // Prompt work: the three prompts once (distinct, so no cache hits),
+    // plus per resume what the victim had computed and lost, plus its last
+    // sampled token, which was never computed before.
+    assert!(recomputed > 0);
+    assert_eq!(prompt_tokens, 3 * 6 + recomputed + preempted as u64);
 }

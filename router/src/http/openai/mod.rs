@@ -83,6 +83,8 @@ impl SamplingParams {
             top_n_tokens: top_n_tokens.map(i64::from),
             grammar: self.response_format.as_ref().and_then(|f| f.to_grammar()),
             ignore_eos_token: self.ignore_eos,
+            priority: self.priority,
+            user: self.user.clone(),
             extras: SamplingExtras {
                 min_new_tokens: self.min_tokens,
                 stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),

@@ -63,7 +63,7 @@ pub struct SamplingParams {
     pub min_p: Option<f32>,
     /// Extension: repetition penalty (1 disables).
     pub repetition_penalty: Option<f32>,
-    /// A label for the end user; accepted and not used (no per-user policy).
+    /// The end user: the tenant that `--max-running-per-tenant` caps.
     pub user: Option<String>,
     /// Extension (vLLM): generate past EOS until `max_tokens`.
     #[serde(default, deserialize_with = "null_default")]
@@ -74,13 +74,15 @@ pub struct SamplingParams {
     pub stop_token_ids: Option<Vec<i64>>,
     /// Token id (as a string) -> bias in [-100, 100] added to its logit before sampling.
     pub logit_bias: Option<BTreeMap<String, f32>>,
+    /// Extension (vLLM): scheduling priority, lower first (default 0).
+    pub priority: Option<i64>,
 }
 
 /// Every field `SamplingParams` reads (the shared part of both request bodies).
 pub const SAMPLING_FIELDS: &[&str] = &[
     "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "presence_penalty",
     "frequency_penalty", "seed", "response_format", "top_k", "min_p", "repetition_penalty", "user", "ignore_eos",
-    "min_tokens", "stop_token_ids", "logit_bias",
+    "min_tokens", "stop_token_ids", "logit_bias", "priority",
 ];
 
 /// An OpenAI request body: the fields it accepts, for `OpenAiJson`'s
