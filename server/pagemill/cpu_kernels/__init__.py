@@ -84,7 +84,7 @@ class DecodeKernels:
         vp, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self.layer = lib.pagemill_decode_layer
         self.layer.restype = ctypes.c_int
-        self.layer.argtypes = [vp, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp, ctypes.c_int]
+        self.layer.argtypes = [vp, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp, i64, ctypes.c_int]
         self.layer_bf16 = lib.pagemill_decode_layer_bf16
         self.layer_bf16.restype = ctypes.c_int
         self.layer_bf16.argtypes = self.layer.argtypes + [ctypes.c_int]
@@ -93,23 +93,25 @@ class DecodeKernels:
         self.layer_max_rows = int(lib.pagemill_decode_layer_max_rows())
         self.attention = lib.pagemill_paged_attention
         self.attention.restype = ctypes.c_int
-        self.attention.argtypes = [vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [f32, ctypes.c_int]
+        self.attention.argtypes = [vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [f32, i64, ctypes.c_int]
         self.attention_bf16 = lib.pagemill_paged_attention_bf16
         self.attention_bf16.restype = ctypes.c_int
         self.attention_bf16.argtypes = self.attention.argtypes
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                        block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
+                        window: int | None = None) -> torch.Tensor:
         """q [B, heads, head_dim] float32 or bfloat16 (heads contiguous), caches [blocks, block_size,
         kv_heads, head_dim] of q's dtype, contiguous, block_tables [B, W] / context_lens [B] int32
-        contiguous -> [B, heads, head_dim] of q's dtype (float32 arithmetic either way)."""
+        contiguous -> [B, heads, head_dim] of q's dtype (float32 arithmetic either way).
+        window: each query sees only its last `window` keys (a sliding-window layer)."""
         b, heads, d = q.shape
         block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
         out = torch.empty((b, heads, d), dtype=q.dtype)
         fn = self.attention_bf16 if q.dtype == torch.bfloat16 else self.attention
         rc = fn(q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                             block_tables.data_ptr(), block_tables.shape[1], context_lens.data_ptr(), out.data_ptr(),
-                            b, heads, kv_heads, d, block_size, scale, torch.get_num_threads())  # fmt: skip
+                            b, heads, kv_heads, d, block_size, scale, window or 0, torch.get_num_threads())  # fmt: skip
         if rc != 0:
             raise ValueError(f"paged attention: {heads} heads is not a multiple of {kv_heads} kv heads")
         return out

@@ -139,6 +139,10 @@ void linear(int64_t M, const Rows& x, const T* w, const T* bias, float* y, int64
   }
 }
 
+// The first key a query at position len - 1 sees: window > 0 keeps the last `window` keys
+// (as transformers' sliding mask: key position > query position - window).
+inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
 // Indices into the layer's pointer table (models/fused_decode.py builds it).
 enum Ptr { kInNorm, kQkvW, kQkvB, kOW, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNumPtrs };
 // Indices into the dims table.
@@ -148,11 +152,13 @@ enum Dim { kHidden, kHeads, kKvHeads, kHeadDim, kInter, kBlockSize, kNumDims };
 // x [B, H]: the float32 residual stream, updated in place. ptrs: T pointers as
 // int64 (bias entries may be 0). cos/sin [B, D] float32. Token b's k/v are
 // written at flat slot slots[b] before attention reads the first lens[b] rows
-// of its sequence (block_tables [B, width]; lens include the new token).
+// of its sequence (block_tables [B, width]; lens include the new token), or
+// only the last `window` of them (a sliding-window layer; 0: all).
 template <typename T>
 int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
                  const float* cos, const float* sin, T* k_cache, T* v_cache, const int32_t* block_tables,
-                 int64_t width, const int32_t* lens, const int64_t* slots, int threads, Bf16Mul mul) {
+                 int64_t width, const int32_t* lens, const int64_t* slots, int64_t window, int threads,
+                 Bf16Mul mul) {
   auto p = [ptrs](Ptr i) { return reinterpret_cast<const T*>(ptrs[i]); };
   const int64_t H = dims[kHidden], nh = dims[kHeads], nkv = dims[kKvHeads], D = dims[kHeadDim];
   const int64_t I = dims[kInter], bs = dims[kBlockSize];
@@ -200,7 +206,8 @@ int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, 
           vc[d] = from_float<T>(v[d]);
         }
         const PagedKV<T> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
-        attend_group(q, D, group, kv, j, lens[b], scale, scores + (b * nh + j * group) * max_len,
+        attend_group(q, D, group, kv, j, first_key(lens[b], window), lens[b], scale,
+                     scores + (b * nh + j * group) * max_len,
                      attn + b * nq + j * group * D, D);
       }
     }
@@ -219,12 +226,13 @@ int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, 
 
 // Attention of B single-token queries against their paged caches.
 // q: token b's heads at q + b * q_stride (heads contiguous, D apart);
-// out [B, nh, D]; block_tables [B, width] int32; context_lens [B] int32.
+// out [B, nh, D]; block_tables [B, width] int32; context_lens [B] int32; window > 0:
+// each query sees only its last `window` keys.
 // q, out and the caches hold T; the arithmetic is float32.
 template <typename T>
 int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_cache, const int32_t* block_tables,
                     int64_t width, const int32_t* context_lens, T* out, int64_t B, int64_t nh, int64_t nkv,
-                    int64_t D, int64_t bs, float scale, int threads) {
+                    int64_t D, int64_t bs, float scale, int64_t window, int threads) {
   if (nkv <= 0 || nh % nkv != 0) return 1;
   const int64_t group = nh / nkv;
 #pragma omp parallel num_threads(threads)
@@ -240,13 +248,14 @@ int paged_attention(const T* q, int64_t q_stride, const T* k_cache, const T* v_c
           memset(o, 0, group * D * sizeof(T));
           continue;
         }
-        scores.resize(group * len);
+        const int64_t first = first_key(len, window);
+        scores.resize(group * (len - first));
         const PagedKV<T> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
         if constexpr (std::is_same_v<T, float>) {
-          attend_group(qg, D, group, kv, j, len, scale, scores.data(), o, D);
+          attend_group(qg, D, group, kv, j, first, len, scale, scores.data(), o, D);
         } else {  // widen this group's queries, narrow its outputs
           for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qg[i]);
-          attend_group(qf.data(), D, group, kv, j, len, scale, scores.data(), of.data(), D);
+          attend_group(qf.data(), D, group, kv, j, first, len, scale, scores.data(), of.data(), D);
           for (int64_t i = 0; i < group * D; ++i) o[i] = from_float<T>(of[i]);
         }
       }
@@ -267,9 +276,9 @@ int pagemill_decode_layer_max_rows() { return kMaxLayerRows; }
 int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
                           const float* cos, const float* sin, float* k_cache, float* v_cache,
                           const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
-                          int threads) {
+                          int64_t window, int threads) {
   return decode_layer<float>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-                             slots, threads, Bf16Mul::kWiden);
+                             slots, window, threads, Bf16Mul::kWiden);
 }
 
 // decode_layer<bf16>: ptrs and caches bfloat16, x and cos/sin float32; mul: -1
@@ -277,24 +286,25 @@ int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_
 int pagemill_decode_layer_bf16(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps,
                                float scale, const float* cos, const float* sin, bf16* k_cache, bf16* v_cache,
                                const int32_t* block_tables, int64_t width, const int32_t* lens,
-                               const int64_t* slots, int threads, int mul) {
+                               const int64_t* slots, int64_t window, int threads, int mul) {
   const Bf16Mul m = pagemill::usable(mul < 0 ? pagemill::choose_mul(B) : (Bf16Mul)mul);
   return decode_layer<bf16>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-                            slots, threads, m);
+                            slots, window, threads, m);
 }
 
 int pagemill_paged_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,
                              const int32_t* block_tables, int64_t width, const int32_t* context_lens, float* out,
-                             int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int threads) {
+                             int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int64_t window,
+                             int threads) {
   return paged_attention<float>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
-                                bs, scale, threads);
+                                bs, scale, window, threads);
 }
 
 int pagemill_paged_attention_bf16(const bf16* q, int64_t q_stride, const bf16* k_cache, const bf16* v_cache,
                                   const int32_t* block_tables, int64_t width, const int32_t* context_lens, bf16* out,
                                   int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale,
-                                  int threads) {
+                                  int64_t window, int threads) {
   return paged_attention<bf16>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
-                               bs, scale, threads);
+                               bs, scale, window, threads);
 }
 }

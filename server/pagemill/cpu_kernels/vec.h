@@ -126,32 +126,33 @@ struct PagedKV {
   }
 };
 
-// out[g] = softmax(scale * q[g] . K^T) V over the first `len` tokens, for the
-// `group` query heads q[0..group) (stride q_stride) that share `kv_head`.
-// One pass over K for the whole group. scores: group * len floats of scratch.
+// out[g] = softmax(scale * q[g] . K^T) V over tokens first..len-1 (first > 0:
+// a sliding window dropped the older ones), for the `group` query heads
+// q[0..group) (stride q_stride) that share `kv_head`. One pass over K for the
+// whole group. scores: group * (len - first) floats of scratch.
 // The cache holds T (float or bf16); q, scores and out are float32.
 template <typename T>
 inline void attend_group(const float* q, int64_t q_stride, int64_t group, const PagedKV<T>& kv, int64_t kv_head,
-                         int64_t len, float scale, float* scores, float* out, int64_t out_stride) {
-  const int64_t D = kv.head_dim;
-  for (int64_t t = 0; t < len; ++t) {
-    const T* k = kv.k + kv.row(t, kv_head);
-    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q + g * q_stride, k, D) * scale;
+                         int64_t first, int64_t len, float scale, float* scores, float* out, int64_t out_stride) {
+  const int64_t D = kv.head_dim, n = len - first;
+  for (int64_t t = 0; t < n; ++t) {
+    const T* k = kv.k + kv.row(first + t, kv_head);
+    for (int64_t g = 0; g < group; ++g) scores[g * n + t] = dot(q + g * q_stride, k, D) * scale;
   }
   for (int64_t g = 0; g < group; ++g) {
-    float* s = scores + g * len;
+    float* s = scores + g * n;
     float m = -INFINITY;
-    for (int64_t t = 0; t < len; ++t) m = s[t] > m ? s[t] : m;
+    for (int64_t t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
     float sum = 0.f;
-    for (int64_t t = 0; t < len; ++t) sum += (s[t] = expf(s[t] - m));
+    for (int64_t t = 0; t < n; ++t) sum += (s[t] = expf(s[t] - m));
     const float inv = 1.f / sum;
-    for (int64_t t = 0; t < len; ++t) s[t] *= inv;
+    for (int64_t t = 0; t < n; ++t) s[t] *= inv;
     float* o = out + g * out_stride;
     for (int64_t d = 0; d < D; ++d) o[d] = 0.f;
   }
-  for (int64_t t = 0; t < len; ++t) {
-    const T* v = kv.v + kv.row(t, kv_head);
-    for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, out + g * out_stride, D);
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = kv.v + kv.row(first + t, kv_head);
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * n + t], v, out + g * out_stride, D);
   }
 }
 

@@ -53,13 +53,19 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
-    # Mistral v0.1 / Qwen2 option. Not applied by the attention backends yet:
-    # sequences longer than the window would diverge from the reference.
+    # Mistral v0.1 / Qwen2 / Phi-3 / Gemma: a query sees only the last `sliding_window`
+    # keys (itself included), in the layers layer_windows marks.
     sliding_window: int | None = None
+    # Per layer: its window, or None for global attention (empty: every layer global).
+    layer_windows: tuple[int | None, ...] = ()
     # o_proj carries a bias: HF's Llama and Qwen3 tie it to attention_bias, Qwen2/Mistral/Phi-3 never have one.
     o_proj_bias: bool = False
     # Qwen3: an RMSNorm over head_dim on every q and k head, before rotary.
     qk_norm: bool = False
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None where it attends to every earlier key."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> "ModelConfig":
@@ -99,6 +105,8 @@ class ModelConfig:
         sliding_window = d.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
             sliding_window = None  # Qwen2/3 write a window but only use it when asked
+        sliding_window = int(sliding_window) if sliding_window else None
+        num_layers = int(d["num_hidden_layers"])
         if model_type == "qwen2":
             attention_bias = True  # Qwen2's config has no flag: its q/k/v projections always have a bias
         elif model_type == "phi3":
@@ -111,7 +119,7 @@ class ModelConfig:
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -124,10 +132,33 @@ class ModelConfig:
             mlp_bias=bool(d.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(d, generation),
             bos_token_id=d.get("bos_token_id"),
-            sliding_window=int(sliding_window) if sliding_window else None,
+            sliding_window=sliding_window,
+            layer_windows=layer_windows(d, model_type, sliding_window, num_layers),
             o_proj_bias=attention_bias and model_type in ("llama", "qwen3"),
             qk_norm=model_type == "qwen3",
         )
+
+
+def layer_windows(d: dict[str, Any], model_type: str, window: int | None, num_layers: int
+                  ) -> tuple[int | None, ...]:  # fmt: skip
+    """Which layers slide, as transformers decides: `layer_types` where the config lists them
+    (transformers >= 4.54 writes them for Qwen2/3 and Gemma), else Qwen's rule (layers from
+    max_window_layers on) or, for Mistral and Phi-3, every layer."""
+    if window is None:
+        return ()
+    types = d.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types lists {len(types)} layers, num_hidden_layers is {num_layers}")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)}: pagemill runs sliding_attention and "
+                             "full_attention layers")  # fmt: skip
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if model_type in ("qwen2", "qwen3"):
+        first = int(d.get("max_window_layers", 28))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    return (window,) * num_layers
 
 
 def _parse_rope(d: dict[str, Any], head_dim: int) -> tuple[float, RopeScaling | None]:

@@ -68,6 +68,8 @@ class FusedDecoder:
         self._dims: dict[int, torch.Tensor] = {}  # block_size -> dims table
         self._held: list[torch.Tensor] = []
         self._tables = [self._pointer_table(layer) for layer in layers]
+        # Each layer's sliding window (0: global), as the kernel takes it.
+        self._windows = [layer.self_attn.sliding_window or 0 for layer in layers]
 
     @classmethod
     def build(cls, model: nn.Module, kernels: DecodeKernels | None) -> "FusedDecoder | None":
@@ -134,8 +136,9 @@ class FusedDecoder:
             layer, rest = self._kernels.layer_bf16, (*rest, BF16_MUL[self.mul])
         else:
             layer = self._kernels.layer
-        for ptrs, (k, v) in zip(self._tables, kv_caches, strict=True):
-            rc = layer(x.data_ptr(), b, ptrs.data_ptr(), *args, k.data_ptr(), v.data_ptr(), *rest)
+        for ptrs, window, (k, v) in zip(self._tables, self._windows, kv_caches, strict=True):
+            rc = layer(x.data_ptr(), b, ptrs.data_ptr(), *args, k.data_ptr(), v.data_ptr(), *rest[:4], window,
+                       *rest[4:])
             if rc != 0:
                 raise ValueError(f"fused decode layer rejected its shapes (rc={rc})")
         return x.to(self.dtype)

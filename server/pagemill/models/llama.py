@@ -68,6 +68,9 @@ class Attention(nn.Module):
         self.num_kv_heads = layout.heads.kv.size
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
+        # This layer's sliding window (None: global); the model sets it from config.layer_windows.
+        self.sliding_window: int | None = None
+        self.softcap: float | None = None  # attention-logit cap (Gemma 2)
         self.backend = backend
         h, bias = config.hidden_size, config.attention_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -88,9 +91,9 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            out = self.backend.prefill(q, k, v, k_cache, v_cache, meta, self.scale)
+            out = self.backend.prefill(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap)
         else:
-            out = self.backend.decode(q, k_cache, v_cache, meta, self.scale)
+            out = self.backend.decode(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def before_rotary(self, qk: torch.Tensor) -> torch.Tensor:
@@ -120,6 +123,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, backend, layout, group, attention_cls) for _ in range(config.num_hidden_layers)
         )
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.sliding_window = config.window_of(i)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.fused: FusedDecoder | None = None  # set by LlamaForCausalLM.pack_weights where it applies
