@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagemill.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from pagemill.models.gemma import GemmaForCausalLM
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.phi3 import Phi3ForCausalLM
 from pagemill.models.qwen3 import Qwen3ForCausalLM
@@ -13,6 +14,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "qwen2": LlamaForCausalLM,  # its q/k/v biases are config.attention_bias
     "qwen3": Qwen3ForCausalLM,
     "phi3": Phi3ForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_MODEL_TYPES)
 

@@ -13,7 +13,11 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+from pagemill.models.gemma_config import (
+    GEMMA_MODEL_TYPES, GemmaOptions, default_sliding_layers, gemma_options, global_rope_dict,
+)  # fmt: skip
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *GEMMA_MODEL_TYPES)
 # Rope variants whose inverse frequencies we compute (see layers.rope_inv_freq).
 # "su" is the name early Phi-3 configs gave longrope.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
@@ -60,8 +64,10 @@ class ModelConfig:
     layer_windows: tuple[int | None, ...] = ()
     # o_proj carries a bias: HF's Llama and Qwen3 tie it to attention_bias, Qwen2/Mistral/Phi-3 never have one.
     o_proj_bias: bool = False
-    # Qwen3: an RMSNorm over head_dim on every q and k head, before rotary.
+    # Qwen3, Gemma 3: an RMSNorm over head_dim on every q and k head, before rotary.
     qk_norm: bool = False
+    # Gemma 2 / 3 only (models/gemma.py): scale, soft caps, the local layers' rotary.
+    gemma: GemmaOptions | None = None
 
     def window_of(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None where it attends to every earlier key."""
@@ -89,7 +95,7 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}: pagemill runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         act = d.get("hidden_act", "silu")
-        if act != "silu":
+        if act != "silu" and model_type not in GEMMA_MODEL_TYPES:  # Gemma: GeGLU, gemma_options checks
             raise ValueError(f"unsupported hidden_act {act!r}: only silu (SwiGLU MLP) is implemented")
 
         hidden = int(d["hidden_size"])
@@ -100,7 +106,9 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = int(d.get("head_dim") or hidden // heads)
 
-        rope_theta, rope_scaling = _parse_rope(d, head_dim)
+        gemma = gemma_options(d, model_type, head_dim) if model_type in GEMMA_MODEL_TYPES else None
+        # Gemma 3 lists rope per layer type: the global layers' is the model's rotary.
+        rope_theta, rope_scaling = _parse_rope(global_rope_dict(d) if gemma else d, head_dim)
 
         sliding_window = d.get("sliding_window")
         if model_type in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
@@ -127,15 +135,17 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Gemma's configs may leave it out: their classes default to tied.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma is not None)),
             attention_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(d, generation),
             bos_token_id=d.get("bos_token_id"),
             sliding_window=sliding_window,
             layer_windows=layer_windows(d, model_type, sliding_window, num_layers),
-            o_proj_bias=attention_bias and model_type in ("llama", "qwen3"),
-            qk_norm=model_type == "qwen3",
+            o_proj_bias=attention_bias and model_type in ("llama", "qwen3", *GEMMA_MODEL_TYPES),
+            qk_norm=model_type in ("qwen3", "gemma3_text"),
+            gemma=gemma,
         )
 
 
@@ -143,7 +153,7 @@ def layer_windows(d: dict[str, Any], model_type: str, window: int | None, num_la
                   ) -> tuple[int | None, ...]:  # fmt: skip
     """Which layers slide, as transformers decides: `layer_types` where the config lists them
     (transformers >= 4.54 writes them for Qwen2/3 and Gemma), else Qwen's rule (layers from
-    max_window_layers on) or, for Mistral and Phi-3, every layer."""
+    max_window_layers on), Gemma's interleaving, or, for Mistral and Phi-3, every layer."""
     if window is None:
         return ()
     types = d.get("layer_types")
@@ -158,6 +168,8 @@ def layer_windows(d: dict[str, Any], model_type: str, window: int | None, num_la
     if model_type in ("qwen2", "qwen3"):
         first = int(d.get("max_window_layers", 28))
         return tuple(window if i >= first else None for i in range(num_layers))
+    if model_type in GEMMA_MODEL_TYPES:
+        return tuple(window if s else None for s in default_sliding_layers(d, model_type, num_layers))
     return (window,) * num_layers
 
 

@@ -143,8 +143,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # What subclasses change: the attention module, and which checkpoint projections are fused at load.
+    # What subclasses change: the attention module, the decoder stack (gemma.py), and which
+    # checkpoint projections are fused at load.
     attention_cls: type[Attention] = Attention
+    model_cls: type[nn.Module] = LlamaModel
     stacked_params: dict[str, tuple[str, int]] = STACKED_PARAMS
 
     def __init__(
@@ -162,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size,
             self.group.world_size, self.group.rank,
         )  # fmt: skip
-        self.model = LlamaModel(config, backend, self.layout, self.group, self.attention_cls)
+        self.model = self.model_cls(config, backend, self.layout, self.group, self.attention_cls)
         self.lm_head = ParallelLMHead(config.hidden_size, self.layout.vocab, config.vocab_size, self.group)
         self.tie_weights()
 
