@@ -22,7 +22,7 @@ from conftest import build_model_dir, load_hf
 from test_model import check_prefill_and_decode, hf_logits, prompts
 
 from pagemill.cpu_kernels import decode_kernels
-from pagemill.models.config import ModelConfig
+from pagemill.models.config import ModelConfig, all_layers_window
 from pagemill.models.loader import load_model
 
 LAYERS = dict(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -89,6 +89,11 @@ def test_window_config_parsing():
     types = ["sliding_attention", "full_attention"] * 2
     parsed = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "layer_types": types})
     assert parsed.layer_windows == (32, None, 32, None) and parsed.window_of(1) is None and parsed.window_of(2) == 32
+    # What the shard reports in Info.sliding_window: the router frees behind it only if every layer slides.
+    assert all_layers_window(ModelConfig.from_dict({**base, "model_type": "mistral", "sliding_window": 64})) == 64
+    assert all_layers_window(parsed) == 0 and all_layers_window(ModelConfig.from_dict(qwen)) == 0
+    qwen_all = ModelConfig.from_dict({**qwen, "use_sliding_window": True, "max_window_layers": 0})
+    assert all_layers_window(qwen_all) == 32
     with pytest.raises(ValueError, match="layer_types lists 2 layers"):
         ModelConfig.from_dict({**qwen, "use_sliding_window": True, "layer_types": types[:2]})
     with pytest.raises(ValueError, match="unsupported layer_types"):

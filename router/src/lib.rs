@@ -104,6 +104,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         speculate: shard_info.speculate,
         order: if config.cache_aware_admission { AdmissionOrder::LongestPrefix } else { AdmissionOrder::Fifo },
         max_num_batched_tokens: config.max_num_batched_tokens,
+        sliding_window: shard_info.sliding_window,
     };
     let (queue_tx, queue_rx) = mpsc::unbounded_channel();
     let scheduler = Scheduler::new(client.clone(), kv, scheduler_config, queue_rx, state.clone());

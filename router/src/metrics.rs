@@ -135,9 +135,14 @@ pub fn render(st: &RouterState) -> String {
         scalar(&mut out, name, "gauge", help, v);
     }
     let m = &st.metrics;
-    let counters: [(&str, &str, f64); 10] = [
+    let counters: [(&str, &str, f64); 11] = [
         ("pagemill_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", get(&st.prefix_hit_tokens_total)),
         ("pagemill_preemptions_total", "Sequences preempted when the KV pool ran out", get(&st.preemptions_total)),
+        (
+            "pagemill_kv_window_released_blocks_total",
+            "KV blocks running sequences gave back behind a sliding window",
+            get(&st.kv_window_released_blocks_total),
+        ),
         ("pagemill_requests_total", "Requests accepted", get(&st.requests_total)),
         ("pagemill_requests_failed_total", "Requests ended by a shard failure", get(&st.requests_failed)),
         ("pagemill_prompt_tokens_total", "Prompt tokens of accepted requests", get(&m.prompt_tokens_total)),

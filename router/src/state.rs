@@ -27,6 +27,8 @@ pub struct RouterState {
     pub kv_blocks_cached: AtomicU64,
     pub prefix_hit_tokens_total: AtomicU64,
     pub preemptions_total: AtomicU64,
+    /// Blocks running sequences gave back behind a sliding window.
+    pub kv_window_released_blocks_total: AtomicU64,
     /// KV utilization of running sequences, parts per million.
     pub kv_utilization_ppm: AtomicU64,
     /// Latency histograms and per-route counters, written by the HTTP side.

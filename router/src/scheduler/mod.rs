@@ -42,4 +42,7 @@ pub struct SchedulerConfig {
     /// Mixed steps: decode tokens plus prompt chunks up to this many tokens
     /// per step; `None`: prefill and decode steps alternate.
     pub max_num_batched_tokens: Option<u32>,
+    /// The model's window when every layer slides (0: some layer is global):
+    /// blocks wholly behind it go back to the pool while a sequence runs.
+    pub sliding_window: u32,
 }

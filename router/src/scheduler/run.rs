@@ -94,6 +94,7 @@ impl Scheduler {
                         tracing::warn!("the shard answered {} request id(s) it was not asked for", stats.unknown_ids);
                     }
                     RouterState::add(&self.router.generated_tokens_total, stats.generated_tokens);
+                    RouterState::add(&self.router.kv_window_released_blocks_total, stats.window_released_blocks);
                     if plan.has_decode() {
                         RouterState::add(&self.router.decode_steps_total, 1);
                         RouterState::add(&self.router.decode_forward_ns_total, resp.forward_ns);
@@ -208,6 +209,7 @@ mod tests {
             speculate: 0,
             order: AdmissionOrder::Fifo,
             max_num_batched_tokens: None,
+            sliding_window: 0,
         }
     }
 

@@ -149,6 +149,12 @@ class ModelConfig:
         )
 
 
+def all_layers_window(config: ModelConfig) -> int:
+    """The window every layer shares, 0 when any layer is global (what the router may free behind)."""
+    windows = set(config.layer_windows)
+    return windows.pop() if len(windows) == 1 and None not in windows and config.layer_windows else 0
+
+
 def layer_windows(d: dict[str, Any], model_type: str, window: int | None, num_layers: int
                   ) -> tuple[int | None, ...]:  # fmt: skip
     """Which layers slide, as transformers decides: `layer_types` where the config lists them

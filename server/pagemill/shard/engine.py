@@ -26,7 +26,7 @@ import torch
 from pagemill.attention.backend import select_backend
 from pagemill.attention.kv_dtype import check_kv_dtype, kv_dtype_name, parse_kv_cache_dtype
 from pagemill.config import ShardConfig
-from pagemill.models.config import ModelConfig
+from pagemill.models.config import ModelConfig, all_layers_window
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.auto_dtype import resolve_dtype
 from pagemill.models.loader import dtype_name, load_model, parse_dtype
@@ -152,6 +152,7 @@ class ModelRunner:
             attention_backend=self.model.backend.name,
             speculate=self.speculate,
             kv_cache_dtype=kv_dtype_name(self.kv_dtype),
+            sliding_window=all_layers_window(self.config),
         )
 
     def health(self) -> None:
