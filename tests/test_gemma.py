@@ -113,7 +113,8 @@ def test_gemma3_config_as_shipped():
     global layers only, sliding_window_pattern instead of layer_types, no tie_word_embeddings key."""
     d = {**BASE, "model_type": "gemma3_text", "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
          "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "sliding_window": 512,
-         "sliding_window_pattern": 6, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
+         "sliding_window_pattern": 6, "query_pre_attn_scalar": 256,
+         "hidden_activation": "gelu_pytorch_tanh"}  # fmt: skip
     c = ModelConfig.from_dict(d)
     assert c.rope_theta == 1000000.0 and c.rope_scaling.rope_type == "linear" and c.rope_scaling.factor == 8.0
     assert c.gemma.local_rope_theta == 10000.0 and c.gemma.local_rope_scaling is None

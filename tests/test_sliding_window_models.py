@@ -12,6 +12,7 @@ configs (the same weights with the window removed give other logits).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -98,3 +99,26 @@ def test_window_config_parsing():
         ModelConfig.from_dict({**qwen, "use_sliding_window": True, "layer_types": types[:2]})
     with pytest.raises(ValueError, match="unsupported layer_types"):
         ModelConfig.from_dict({**qwen, "use_sliding_window": True, "layer_types": ["chunked_attention"] * 4})
+
+
+def test_shard_accepts_repeated_ids_only_behind_the_window():
+    """A model whose every layer slides gets blocks behind the window given back by the router,
+    which may hand the same id to the request again: only the blocks still read must be distinct."""
+    from pagemill.proto import pb
+    from pagemill.shard.errors import ShardError
+    from pagemill.shard.requests import Limits, check_step
+
+    def step(table):
+        new = pb.NewRequest(input_ids=list(range(3, 23)), parameters=pb.NextTokenChooserParameters(),
+                            stopping_parameters=pb.StoppingCriteriaParameters(max_new_tokens=5))  # fmt: skip
+        return pb.StepRequest(requests=[pb.ScheduledRequest(id=1, new_request=new, num_computed=19, num_tokens=1,
+                                                            new_block_ids=table)])  # fmt: skip
+
+    # Position 19 reads keys 12..19 through an 8-token window: blocks 3 and 4 of 4 tokens.
+    windowed = Limits(block_size=4, num_blocks=32, vocab_size=64, device=torch.device("cpu"), sliding_window=8)
+    (entry,) = check_step(step([7, 7, 9, 10, 11]), {}, windowed)
+    assert entry.error is None
+    unwindowed = dataclasses.replace(windowed, sliding_window=0)
+    for table, lim in (([7, 8, 9, 10, 10], windowed), ([7, 7, 9, 10, 11], unwindowed)):
+        with pytest.raises(ShardError, match="repeats a block id"):
+            check_step(step(table), {}, lim)

@@ -207,7 +207,8 @@ class ModelRunner:
         router ended, compute every consistent entry in one forward, sample where a range
         reaches the end of the known tokens. One Generation per entry, in order."""
         pool = self._require_pool()
-        lim = Limits(self.block_size, pool.num_blocks, self.config.vocab_size, self.device)
+        lim = Limits(self.block_size, pool.num_blocks, self.config.vocab_size, self.device,
+                     all_layers_window(self.config))  # fmt: skip
         entries = check_step(req, self.requests, lim)
         for e, s in zip(entries, req.requests):
             if e.fresh:
