@@ -165,9 +165,9 @@ BASE = dict(vocab_size=10, hidden_size=64, intermediate_size=128, num_hidden_lay
 
 def test_unknown_model_type_lists_supported_ones():
     with pytest.raises(ValueError) as err:
-        ModelConfig.from_dict({**BASE, "model_type": "gemma2"})
-    assert "unsupported model_type 'gemma2'" in str(err.value)
-    for t in ("llama", "mistral", "qwen2", "qwen3", "phi3"):
+        ModelConfig.from_dict({**BASE, "model_type": "falcon"})
+    assert "unsupported model_type 'falcon'" in str(err.value)
+    for t in ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text"):
         assert t in SUPPORTED_MODEL_TYPES and t in str(err.value)
 
 

@@ -143,6 +143,7 @@ def test_info_health_warmup(shard):
     info = client.Info(pb.InfoRequest())
     assert (info.dtype, info.device_type, info.block_size, info.vocab_size) == ("float32", "cpu", BLOCK_SIZE, 320)
     assert list(info.eos_token_ids) == [eos] and info.attention_backend == "torch" and info.world_size == 1
+    assert info.sliding_window == 0  # no layer slides: the router frees nothing behind a window
     client.Health(pb.HealthRequest())
     assert pre == grpc.StatusCode.FAILED_PRECONDITION  # Step before Warmup
     assert warm.num_blocks == POOL_BLOCKS and warm.block_size == BLOCK_SIZE and warm.warmup_ns > 0

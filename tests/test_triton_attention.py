@@ -181,6 +181,27 @@ def test_decode_matches_reference(dtype, ratio, head_dim):
         assert rel_error(out, ref) < TOLERANCE[dtype], partition
 
 
+@kernel_test
+@pytest.mark.parametrize("window,softcap", [(5, None), (40, None), (None, 3.0), (17, 3.0)], ids=str)
+def test_window_and_softcap_match_reference(window, softcap):
+    """Sliding windows (shorter than a query tile, and than a 64-key tile; a window
+    leaves some rows of a tile nothing visible in its first key tiles) and Gemma 2's
+    logit cap, prefill and decode (split into partitions and not) against the torch reference."""
+    pool = Pool(64, 3, torch.float32, seed=5)
+    q, k, v, meta = prefill_case(pool, PREFILL_SHAPES)
+    kernels.write_kv(k, v, pool.k_cache, pool.v_cache, meta.slot_mapping)
+    out = kernels.paged_prefill(q, pool.k_cache, pool.v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                meta.context_lens, meta.max_seqlen_q, 0.125, window, softcap)  # fmt: skip
+    ref = TorchAttentionBackend().prefill(q, k, v, *pool.fp32(), meta, 0.125, window=window, softcap=softcap)
+    assert rel_error(out, ref) < TOLERANCE[torch.float32]
+    q, meta = decode_case(pool, DECODE_LENGTHS)
+    ref = TorchAttentionBackend().decode(q, *pool.fp32(), meta, 0.125, window=window, softcap=softcap)
+    for partition in (64, 256):
+        out = kernels.paged_decode(q, pool.k_cache, pool.v_cache, meta.block_tables, meta.context_lens,
+                                   meta.max_seqlen_k, 0.125, partition, window, softcap)  # fmt: skip
+        assert rel_error(out, ref) < TOLERANCE[torch.float32], partition
+
+
 def test_decode_partition_size():
     # Big batches fill the GPU without splitting.
     assert kernels.decode_partition_size(batch=64, kv_heads=8, max_kv_len=4096, num_sms=132) >= 4096

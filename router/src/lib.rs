@@ -108,6 +108,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         max_num_batched_tokens: config.max_num_batched_tokens,
         priority_aging: (config.priority_aging_ms > 0).then(|| Duration::from_millis(config.priority_aging_ms)),
         max_running_per_tenant: (config.max_running_per_tenant > 0).then_some(config.max_running_per_tenant),
+        sliding_window: shard_info.sliding_window,
     };
     let (queue_tx, queue_rx) = mpsc::unbounded_channel();
     let scheduler = Scheduler::new(client.clone(), kv, scheduler_config, queue_rx, state.clone());

@@ -140,9 +140,14 @@ pub fn render(st: &RouterState) -> String {
     for (p, n) in st.queue_by_priority.lock().unwrap_or_else(|e| e.into_inner()).iter() {
         let _ = writeln!(out, "{name}{{priority=\"{p}\"}} {n}");
     }
-    let counters: [(&str, &str, f64); 12] = [
+    let counters: [(&str, &str, f64); 13] = [
         ("pagemill_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", get(&st.prefix_hit_tokens_total)),
         ("pagemill_preemptions_total", "Sequences preempted when the KV pool ran out", get(&st.preemptions_total)),
+        (
+            "pagemill_kv_window_released_blocks_total",
+            "KV blocks running sequences gave back behind a sliding window",
+            get(&st.kv_window_released_blocks_total),
+        ),
         (
             "pagemill_recomputed_tokens_total",
             "Tokens computed again after preemption dropped their KV",

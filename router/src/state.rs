@@ -33,6 +33,8 @@ pub struct RouterState {
     pub recomputed_tokens_total: AtomicU64,
     /// Queued requests per `priority` value, ascending (empty levels left out).
     pub queue_by_priority: std::sync::Mutex<Vec<(i32, u64)>>,
+    /// Blocks running sequences gave back behind a sliding window.
+    pub kv_window_released_blocks_total: AtomicU64,
     /// KV utilization of running sequences, parts per million.
     pub kv_utilization_ppm: AtomicU64,
     /// Latency histograms and per-route counters, written by the HTTP side.

@@ -150,6 +150,7 @@ impl KvManager {
         KvBlocks {
             ids,
             manager: self.clone(),
+            dropped: 0,
         }
     }
 
@@ -159,14 +160,16 @@ impl KvManager {
         Some(KvBlocks {
             ids,
             manager: self.clone(),
+            dropped: 0,
         })
     }
 
     /// Indexes the full blocks of `tokens` (whose KV the shard has computed)
-    /// so later requests can reuse them.
+    /// so later requests can reuse them. A table that gave blocks back behind
+    /// a sliding window has no complete prefix left to index: nothing is.
     pub fn commit(&self, blocks: &KvBlocks, tokens: &[u32]) {
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        if !g.prefix_caching {
+        if !g.prefix_caching || blocks.dropped > 0 {
             return;
         }
         let full = tokens.len() / self.block_size as usize;
@@ -195,6 +198,9 @@ impl KvManager {
 pub struct KvBlocks {
     ids: Vec<u32>,
     manager: KvManager,
+    /// Leading blocks given back behind a sliding window (release_behind): their
+    /// ids stay in `ids`, as in the shard's copy of the table, but are no longer held.
+    dropped: u32,
 }
 
 impl KvBlocks {
@@ -214,8 +220,28 @@ impl KvBlocks {
         self.len() * self.manager.block_size
     }
 
-    /// A table sharing this one's first `n` blocks (forks of `n`/`best_of`).
+    /// Gives back the blocks before block `n` (those no query will read again,
+    /// every layer's window having passed them); returns how many were released
+    /// now. Their KV may still be in the prefix cache, which holds its own
+    /// reference: a cached prefix stays complete.
+    pub fn release_behind(&mut self, n: u32) -> u32 {
+        let n = n.min(self.len());
+        if n <= self.dropped {
+            return 0;
+        }
+        let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        for &id in &self.ids[self.dropped as usize..n as usize] {
+            g.release(id);
+        }
+        let released = n - self.dropped;
+        self.dropped = n;
+        released
+    }
+
+    /// A table sharing this one's first `n` blocks (forks of `n`/`best_of`);
+    /// none where blocks were given back (forks are admitted before any are).
     pub fn share_prefix(&self, n: u32) -> KvBlocks {
+        let n = if self.dropped > 0 { 0 } else { n };
         let ids: Vec<u32> = self.ids[..n as usize].to_vec();
         let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
         for &id in &ids {
@@ -224,6 +250,7 @@ impl KvBlocks {
         KvBlocks {
             ids,
             manager: self.manager.clone(),
+            dropped: 0,
         }
     }
 
@@ -257,7 +284,7 @@ impl KvBlocks {
 impl Drop for KvBlocks {
     fn drop(&mut self) {
         let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        for &id in &self.ids {
+        for &id in &self.ids[self.dropped as usize..] {
             g.release(id);
         }
     }

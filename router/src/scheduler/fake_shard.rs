@@ -31,6 +31,9 @@ pub struct FakeShard {
     reqs: HashMap<u64, Req>,
     /// Speculative proposals accepted per decode step (of max_proposals).
     pub accept: u32,
+    /// Every layer's sliding window (0: global): a range's first query reads
+    /// only the keys from num_computed + 1 - window on, so only those are checked.
+    pub window: u32,
     /// Every step the shard saw (for assertions on the plans).
     pub steps: Vec<pb::StepRequest>,
 }
@@ -43,7 +46,7 @@ pub fn next_token(context: &[u32]) -> u32 {
 
 impl FakeShard {
     pub fn new(block_size: u32, num_blocks: u32) -> Self {
-        Self { block_size, num_blocks, slots: HashMap::new(), reqs: HashMap::new(), accept: 0, steps: Vec::new() }
+        Self { block_size, num_blocks, slots: HashMap::new(), reqs: HashMap::new(), accept: 0, window: 0, steps: Vec::new() }
     }
 
     pub fn holds(&self, id: u64) -> bool {
@@ -125,7 +128,8 @@ impl FakeShard {
             }
             let &(_, end, props) = fed.iter().find(|f| f.0 == r.id).expect("fed");
             let q = self.reqs.get(&r.id).expect("known");
-            for pos in 0..end {
+            let first = if self.window > 0 { (r.num_computed + 1).saturating_sub(self.window) } else { 0 };
+            for pos in first..end {
                 let s = self.slot(&q.table, pos);
                 assert_eq!(
                     self.slots.get(&s).copied(),

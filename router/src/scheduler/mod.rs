@@ -52,4 +52,7 @@ pub struct SchedulerConfig {
     pub priority_aging: Option<std::time::Duration>,
     /// Most sequences one tenant may have running at once; None: no cap.
     pub max_running_per_tenant: Option<u32>,
+    /// The model's window when every layer slides (0: some layer is global):
+    /// blocks wholly behind it go back to the pool while a sequence runs.
+    pub sliding_window: u32,
 }

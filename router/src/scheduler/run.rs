@@ -96,6 +96,7 @@ impl Scheduler {
                         tracing::warn!("the shard answered {} request id(s) it was not asked for", stats.unknown_ids);
                     }
                     RouterState::add(&self.router.generated_tokens_total, stats.generated_tokens);
+                    RouterState::add(&self.router.kv_window_released_blocks_total, stats.window_released_blocks);
                     if plan.has_decode() {
                         RouterState::add(&self.router.decode_steps_total, 1);
                         RouterState::add(&self.router.decode_forward_ns_total, resp.forward_ns);
@@ -223,6 +224,7 @@ mod tests {
             max_num_batched_tokens: None,
             priority_aging: None,
             max_running_per_tenant: None,
+            sliding_window: 0,
         }
     }
 

@@ -38,6 +38,7 @@ pub(super) fn config(mixed: Option<u32>, chunk: Option<u32>, speculate: u32) -> 
         max_num_batched_tokens: mixed,
         priority_aging: None,
         max_running_per_tenant: None,
+        sliding_window: 0,
     }
 }
 
@@ -86,6 +87,9 @@ pub(super) struct Outcome {
     pub steps: usize,
     /// Per step: prompt tokens, and decode tokens with their proposal room.
     pub step_tokens: Vec<(u32, u32)>,
+    /// Blocks given back behind a sliding window, and the most blocks held at once.
+    window_released: u64,
+    peak_used: u32,
 }
 
 /// Runs schedule/step/update until nothing is left (or a step limit is hit,
@@ -110,7 +114,9 @@ pub(super) fn drive(st: &mut State, shard: &mut FakeShard) -> Outcome {
         let decode_cost = plan.planned.iter().filter(|p| !p.prompt).map(|p| p.num_tokens + p.max_proposals).sum();
         out.step_tokens.push((prompt_tokens, decode_cost));
         let resp = shard.step(&plan.request);
-        let (events, _) = update(st, &plan, &resp);
+        let (events, stats) = update(st, &plan, &resp);
+        out.window_released += stats.window_released_blocks;
+        out.peak_used = out.peak_used.max(st.kv.stats().used());
         collect(&mut out, events);
     }
     out
@@ -593,6 +599,34 @@ proptest! {
     }
 }
 
+fn windowed(mut cfg: SchedulerConfig, window: u32, num_blocks: u32) -> (State, FakeShard) {
+    cfg.sliding_window = window;
+    let (st, mut shard) = setup(cfg, num_blocks);
+    shard.window = window;
+    (st, shard)
+}
+
+#[test]
+fn windowed_sequences_give_blocks_back_and_keep_their_tokens() {
+    // The fake shard checks every key a query's window reads: a block given
+    // back too early is reused by another sequence and fails that check.
+    let configs = [config(None, None, 0), config(Some(16), Some(5), 0), config(None, None, 2)];
+    for (k, cfg) in configs.into_iter().enumerate() {
+        let (mut st, mut shard) = windowed(cfg, 6, 24);
+        shard.accept = 1;
+        for id in 0..5 {
+            st.enqueue(entry(id, request(prompt(id, 3 + id as u32 * 5), 30), None));
+        }
+        let out = drive(&mut st, &mut shard);
+        for id in 0..5 {
+            assert_eq!(out.tokens[&id], expected(&prompt(id, 3 + id as u32 * 5), 30), "config {k} request {id}");
+        }
+        assert!(out.errors.is_empty(), "config {k}: {:?}", out.errors);
+        assert!(out.window_released > 0, "config {k}: no block was given back");
+        assert_no_leak(&st);
+    }
+}
+
 #[test]
 fn recomputed_tokens_count_exactly_what_preemption_made_the_shard_redo() {
     let (mut st, mut shard) = setup(config(Some(64), None, 0), 13);
@@ -614,4 +648,48 @@ fn recomputed_tokens_count_exactly_what_preemption_made_the_shard_redo() {
     // sampled token, which was never computed before.
     assert!(recomputed > 0);
     assert_eq!(prompt_tokens, 3 * 6 + recomputed + preempted as u64);
+}
+
+#[test]
+fn a_long_windowed_request_holds_only_its_window() {
+    // 4 + 100 tokens of 4-token blocks would take 26 blocks; behind an 8-token
+    // window a few are held at once (measured after each step: at most 3).
+    let (mut st, mut shard) = windowed(config(None, None, 0), 8, 200);
+    st.enqueue(entry(0, request(prompt(0, 4), 100), None));
+    let out = drive(&mut st, &mut shard);
+    assert_eq!(out.tokens[&0], expected(&prompt(0, 4), 100));
+    assert!(out.peak_used <= 8 / BS + 2, "peak {} blocks", out.peak_used);
+    // The last query (position 103) reads from 96 on: blocks 0..24 were given back.
+    assert_eq!(out.window_released, ((104 - 8) / BS) as u64);
+    assert_no_leak(&st);
+    // Without a window the same request holds every block to the end.
+    let (mut st, mut shard) = setup(config(None, None, 0), 200);
+    st.enqueue(entry(0, request(prompt(0, 4), 100), None));
+    let out = drive(&mut st, &mut shard);
+    assert_eq!((out.peak_used, out.window_released), (104 / BS, 0));
+}
+
+#[test]
+fn the_prefix_cache_never_serves_blocks_a_window_gave_back() {
+    // A's prompt blocks enter the cache at prefill; its later blocks were given
+    // back, so its finish commits nothing. B repeats A's whole text: it may
+    // start past A's cached prompt blocks only, which still hold A's KV (the
+    // fake shard checks what B's windows read).
+    let (mut st, mut shard) = windowed(config(None, None, 0), 6, 40);
+    let a = prompt(1, 13);
+    st.enqueue(entry(1, request(a.clone(), 20), None));
+    let out = drive(&mut st, &mut shard);
+    assert!(out.window_released > 0);
+    let mut b = a.clone();
+    b.extend(&out.tokens[&1]);
+    assert_eq!(st.kv.peek_prefix(&b), 13 / BS, "the cache offers more than A's prompt blocks");
+    st.enqueue(entry(2, request(b.clone(), 10), None));
+    // Other traffic first, so that blocks A gave back are reused before B runs.
+    for id in 3..6 {
+        st.enqueue(entry(id, request(prompt(id, 9), 12), None));
+    }
+    let out = drive(&mut st, &mut shard);
+    assert_eq!(out.tokens[&2], expected(&b, 10));
+    assert!(out.errors.is_empty());
+    assert_no_leak(&st);
 }

@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 
 use super::plan::{Planned, StepPlan};
+use super::sequence::Sequence;
 use super::state::State;
 use crate::error::RouterError;
 use crate::proto::pb;
@@ -25,6 +26,8 @@ pub struct StepStats {
     pub generated_tokens: u64,
     /// Generations whose id the plan did not schedule (ignored).
     pub unknown_ids: u32,
+    /// Blocks running sequences gave back behind a sliding window.
+    pub window_released_blocks: u64,
 }
 
 pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<Event>, StepStats) {
@@ -71,6 +74,7 @@ pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<
             if let Some(b) = s.blocks.as_ref() {
                 st.kv.commit(b, &s.tokens[..s.num_computed as usize]);
             }
+            stats.window_released_blocks += release_behind_window(s, st.config.sliding_window, st.kv.block_size());
             continue;
         }
         let tokens = g.tokens.as_ref().expect("checked");
@@ -101,6 +105,7 @@ pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<
                 }
             }
         }
+        stats.window_released_blocks += release_behind_window(s, st.config.sliding_window, st.kv.block_size());
         let mut logprobs = tokens.logprobs.clone();
         logprobs.truncate(ids.len());
         let mut top = g.top_tokens.clone();
@@ -117,6 +122,17 @@ pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<
         }
     }
     (events, stats)
+}
+
+/// Gives back the blocks no later query of `s` reads when every layer has a
+/// `window` (0: none). Its next query sits at position num_computed and reads
+/// keys from num_computed + 1 - window on: the blocks wholly before that are dead.
+fn release_behind_window(s: &mut Sequence, window: u32, block_size: u32) -> u64 {
+    let first_read = (s.num_computed + 1).saturating_sub(window);
+    match s.blocks.as_mut() {
+        Some(b) if window > 0 => b.release_behind(first_read / block_size) as u64,
+        _ => 0,
+    }
 }
 
 /// The generation must answer the planned range: no tokens for a prompt

@@ -43,10 +43,16 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention of the new tokens over cached prefix + themselves.
 
         Called after write_kv, so the cache already holds k/v of the new tokens.
+        window: the layer's sliding window (None: global): the new token at
+        position p sees keys p - window + 1 .. p, as transformers' sliding mask.
+        softcap: scores become softcap * tanh(scores / softcap) before the
+        softmax (Gemma 2's attention-logit capping; None: none).
         """
 
     def decode(
@@ -56,8 +62,11 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
-        """One query token per sequence against its first context_lens keys."""
+        """One query token per sequence against its first context_lens keys (the last `window` of
+        them for a sliding-window layer); softcap as prefill."""
 
 
 def select_backend(name: str, device: torch.device | str, cpu_kernels: bool = False) -> AttentionBackend:

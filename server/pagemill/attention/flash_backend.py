@@ -12,6 +12,10 @@ the Triton kernels; float32 runs entirely on Triton. Each such fallback is
 logged once. The KV write is always the Triton kernel: flash-attn has no
 scatter to arbitrary slots. flash-attn 2 has no fp8 cache either: with an
 fp8 pool (kv_dtype.py) only fresh prompts run on flash-attn.
+
+A sliding-window layer passes window_size=(window - 1, 0): flash-attn's
+left bound counts keys before the query, ours counts the query itself
+(transformers: key > query - window). Gemma 2's logit cap is its `softcap`.
 """
 
 from __future__ import annotations
@@ -64,34 +68,46 @@ class FlashAttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self.fallback.write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         if not self._flash_dtype(q):
-            return self.fallback.prefill(q, k, v, k_cache, v_cache, meta, scale)
+            return self.fallback.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
+        options = _options(scale, window, softcap)
         paged = k_cache.shape[1] % PAGED_BLOCK_MULTIPLE == 0
         if paged and not self._fp8_pool(k_cache, "prefills with a cached prefix"):
             return self.fa.flash_attn_varlen_func(
                 q, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.max_seqlen_q, meta.max_seqlen_k,
-                softmax_scale=scale, causal=True, block_table=meta.block_tables,
+                block_table=meta.block_tables, **options,
             )  # fmt: skip
         if meta.query_lens == meta.kv_lens:  # nothing cached: the packed k/v are every key
             return self.fa.flash_attn_varlen_func(
-                q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q,
-                softmax_scale=scale, causal=True,
+                q, k, v, meta.cu_seqlens_q, meta.cu_seqlens_q, meta.max_seqlen_q, meta.max_seqlen_q, **options,
             )  # fmt: skip
         if not paged:  # (an fp8 pool with paged blocks was noted above)
             self._small_blocks(k_cache, "prefills with a cached prefix")
-        return self.fallback.prefill(q, k, v, k_cache, v_cache, meta, scale)
+        return self.fallback.prefill(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         if not self._flash_dtype(q):
-            return self.fallback.decode(q, k_cache, v_cache, meta, scale)
+            return self.fallback.decode(q, k_cache, v_cache, meta, scale, window, softcap)
         if self._fp8_pool(k_cache, "decode steps"):
-            return self.fallback.decode(q, k_cache, v_cache, meta, scale)
+            return self.fallback.decode(q, k_cache, v_cache, meta, scale, window, softcap)
         if k_cache.shape[1] % PAGED_BLOCK_MULTIPLE == 0:
             out = self.fa.flash_attn_with_kvcache(
                 q.unsqueeze(1), k_cache, v_cache, cache_seqlens=meta.context_lens, block_table=meta.block_tables,
-                softmax_scale=scale, causal=True,
+                **_options(scale, window, softcap),
             )  # fmt: skip
             return out.squeeze(1)
         self._small_blocks(k_cache, "decode steps")
-        return self.fallback.decode(q, k_cache, v_cache, meta, scale)
+        return self.fallback.decode(q, k_cache, v_cache, meta, scale, window, softcap)
+
+
+def _options(scale: float, window: int | None, softcap: float | None) -> dict:
+    """flash-attn's keyword arguments for a causal layer with this window and logit cap."""
+    options = dict(softmax_scale=scale, causal=True)
+    if window is not None:
+        options["window_size"] = (window - 1, 0)
+    if softcap is not None:
+        options["softcap"] = softcap
+    return options

@@ -38,14 +38,18 @@ class TorchAttentionBackend:
         write_rows(k_cache.view(-1, kv_heads, head_dim), slot_mapping, k)
         write_rows(v_cache.view(-1, kv_heads, head_dim), slot_mapping, v)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        # (Not over fp8 pools: there the new tokens attend to their exact k/v, as below.)
-        if self.kernels is not None and meta.max_seqlen_q <= KERNEL_PREFILL_MAX_ROWS and k_cache.dtype == q.dtype \
-                and _kernel_applies(q, k_cache, v_cache, meta):
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+        """window: each query sees only the last `window` keys, itself included (a sliding-window
+        layer). softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
+        # (Not over fp8 pools: there the new tokens attend to their exact k/v, as below; not with
+        # a soft cap, which the kernel does not apply.)
+        if self.kernels is not None and softcap is None and meta.max_seqlen_q <= KERNEL_PREFILL_MAX_ROWS \
+                and k_cache.dtype == q.dtype and _kernel_applies(q, k_cache, v_cache, meta):
             # Every new token as a one-token query over its sequence's cache up to
             # itself (written above): one compiled call for the whole step.
             tables, lens = _token_rows(meta)
-            return self.kernels.paged_attention(q, k_cache, v_cache, tables, lens, scale)
+            return self.kernels.paged_attention(q, k_cache, v_cache, tables, lens, scale, window)
         out = torch.empty_like(q)
         block_size = k_cache.shape[1]
         # A mixed step: the one-token rows (decode tokens next to prompt
@@ -54,14 +58,15 @@ class TorchAttentionBackend:
         singles = _single_rows(meta)
         if singles is not None:
             rows, decode_meta = singles
-            out.index_copy_(0, rows, self.decode(q.index_select(0, rows), k_cache, v_cache, decode_meta, scale))
+            decoded = self.decode(q.index_select(0, rows), k_cache, v_cache, decode_meta, scale, window, softcap)
+            out.index_copy_(0, rows, decoded)
         start = 0
         for i, (n, total) in enumerate(zip(meta.query_lens, meta.kv_lens)):
             end = start + n
             cached = total - n
             if singles is not None and n == 1:
                 pass  # done above
-            elif cached == 0:
+            elif cached == 0 and window is None and softcap is None:
                 # Nothing before this step: the fresh k/v are the whole sequence.
                 out[start:end] = _sdpa(q[start:end], k[start:end], v[start:end], None, scale, causal=True)
             else:
@@ -74,16 +79,21 @@ class TorchAttentionBackend:
                 key_pos = torch.arange(total, device=q.device)
                 query_pos = torch.arange(cached, total, device=q.device)
                 mask = key_pos[None, :] <= query_pos[:, None]
-                out[start:end] = _sdpa(q[start:end], keys, values, mask, scale, causal=False)
+                if window is not None:  # as transformers' sliding mask: key > query - window
+                    mask &= key_pos[None, :] > query_pos[:, None] - window
+                out[start:end] = _attend(q[start:end], keys, values, mask, scale, softcap)
             start = end
         return out
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if self.kernels is not None and _kernel_applies(q, k_cache, v_cache, meta):
-            return self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale)
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
+        """window, softcap: as prefill."""
+        if self.kernels is not None and softcap is None and _kernel_applies(q, k_cache, v_cache, meta):
+            return self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
+                                                window)  # fmt: skip
         batch, width = meta.block_tables.shape
         block_size, kv_heads, head_dim = k_cache.shape[1:]
-        tables, mask, length = _decode_indices(meta, block_size)
+        tables, mask, length = _decode_indices(meta, block_size, window)
         # [B, W, block_size, kvh, D] -> [B, kvh, length, D]. The gather copies
         # only the blocks in the (padded) tables, once per layer.
         shape = (batch, width * block_size, kv_heads, head_dim)
@@ -94,9 +104,11 @@ class TorchAttentionBackend:
         # head's "query rows". One token each, so the same mask row holds for
         # all of them. Faster on CPU than SDPA's enable_gqa (measured 1.2-1.6x).
         group = q.shape[1] // kv_heads
-        out = F.scaled_dot_product_attention(
-            q.view(batch, kv_heads, group, head_dim), keys, values, attn_mask=mask, scale=scale
-        )
+        q = q.view(batch, kv_heads, group, head_dim)
+        if softcap is None:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
+        else:
+            out = _softcapped(q, keys, values, mask, scale, softcap)
         return out.reshape(batch, kv_heads * group, head_dim)
 
 
@@ -164,14 +176,19 @@ def _kernel_applies(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
     )
 
 
-def _decode_indices(meta: AttentionMetadata, block_size: int):
-    """(int64 block tables, attention mask or None, keys kept), built once per forward."""
-    cached = meta.derived.get("decode")
+def _decode_indices(meta: AttentionMetadata, block_size: int, window: int | None):
+    """(int64 block tables, attention mask or None, keys kept), built once per forward and window."""
+    cached = meta.derived.get(("decode", window))
     if cached is not None:
         return cached
     batch, width = meta.block_tables.shape
     tables, length = meta.block_tables.long(), width * block_size
-    if not meta.static and (batch == 1 or all(n == length for n in meta.kv_lens)):
+    if window is not None and (meta.static or max(meta.kv_lens) > window):
+        # A query at position n - 1 sees keys n - window .. n - 1 (transformers: key > query - window).
+        positions = torch.arange(width * block_size, device=tables.device)
+        lens = meta.context_lens[:, None].long()
+        mask = ((positions[None, :] < lens) & (positions[None, :] >= lens - window))[:, None, None, :]
+    elif not meta.static and (batch == 1 or all(n == length for n in meta.kv_lens)):
         # One sequence: keep exactly its keys; or every table is full. No mask
         # lets SDPA take its unmasked path.
         length, mask = max(meta.kv_lens), None
@@ -179,7 +196,7 @@ def _decode_indices(meta: AttentionMetadata, block_size: int):
         positions = torch.arange(width * block_size, device=tables.device)
         # Padding blocks (id 0) and the tail of the last block are masked out.
         mask = (positions[None, :] < meta.context_lens[:, None].long())[:, None, None, :]
-    meta.derived["decode"] = tables, mask, length
+    meta.derived[("decode", window)] = tables, mask, length
     return tables, mask, length
 
 
@@ -195,6 +212,29 @@ def _rows(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
     2-4x faster on CPU (measured for 64 x 17 blocks of 16 x 3 x 64 floats).
     """
     return cache.index_select(0, blocks.reshape(-1)).view(*blocks.shape, *cache.shape[1:])
+
+
+def _attend(q, k, v, mask, scale: float, softcap: float | None) -> torch.Tensor:
+    """q [n, H, D], k/v [L, kvh, D], mask [n, L] -> [n, H, D]."""
+    if softcap is None:
+        return _sdpa(q, k, v, mask, scale, causal=False)
+    group = q.shape[1] // k.shape[1]
+    # [kvh, group * n, D] against [kvh, L, D]: the query heads sharing a kv head as its rows.
+    n, heads, d = q.shape
+    rows = q.view(n, k.shape[1], group, d).permute(1, 2, 0, 3)  # [kvh, group, n, D]
+    keys, values = k.transpose(0, 1).unsqueeze(1), v.transpose(0, 1).unsqueeze(1)  # [kvh, 1, L, D]
+    out = _softcapped(rows, keys, values, mask, scale, softcap)  # [kvh, group, n, D]
+    return out.permute(2, 0, 1, 3).reshape(n, heads, d)
+
+
+def _softcapped(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """softmax(softcap * tanh(q k^T * scale / softcap) + mask) v, as Gemma 2's eager attention.
+    q [..., n, D], k/v [..., L, D] (leading dims broadcast), mask (True: visible) to [..., n, L]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
 
 def _sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:

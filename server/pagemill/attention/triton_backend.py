@@ -20,14 +20,18 @@ class TritonAttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         write_kv(k, v, k_cache, v_cache, slot_mapping)
 
-    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         # k/v are already in the pool (write_kv ran first): the kernel reads them from there.
         return paged_prefill(
-            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.max_seqlen_q, scale
+            q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens, meta.max_seqlen_q, scale,
+            window, softcap,
         )
 
-    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+               window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         partition = decode_partition_size(meta.num_seqs, k_cache.shape[2], meta.max_seqlen_k, self.num_sms)
         return paged_decode(
-            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_seqlen_k, scale, partition
+            q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.max_seqlen_k, scale, partition,
+            window, softcap,
         )

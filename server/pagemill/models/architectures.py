@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pagemill.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
+from pagemill.models.gemma import GemmaForCausalLM
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.moe import MixtralForCausalLM, MoeForCausalLM, Qwen3MoeForCausalLM
 from pagemill.models.phi3 import Phi3ForCausalLM
@@ -17,6 +18,8 @@ MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "mixtral": MixtralForCausalLM,
     "qwen2_moe": MoeForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    "gemma2": GemmaForCausalLM,
+    "gemma3_text": GemmaForCausalLM,
 }
 assert set(MODEL_CLASSES) == set(SUPPORTED_MODEL_TYPES)
 

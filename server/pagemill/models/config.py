@@ -13,9 +13,13 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from pagemill.models.gemma_config import (
+    GEMMA_MODEL_TYPES, GemmaOptions, default_sliding_layers, gemma_options, global_rope_dict,
+)  # fmt: skip
 from pagemill.models.moe_config import MOE_MODEL_TYPES, MoeConfig, parse_moe
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES)
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "phi3", *MOE_MODEL_TYPES, *GEMMA_MODEL_TYPES)
+
 # Rope variants whose inverse frequencies we compute (see layers.rope_inv_freq).
 # "su" is the name early Phi-3 configs gave longrope.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "longrope", "su")
@@ -55,15 +59,23 @@ class ModelConfig:
     mlp_bias: bool
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None = None
-    # Mistral v0.1 / Qwen2 option. Not applied by the attention backends yet:
-    # sequences longer than the window would diverge from the reference.
+    # Mistral v0.1 / Qwen2 / Phi-3 / Gemma: a query sees only the last `sliding_window`
+    # keys (itself included), in the layers layer_windows marks.
     sliding_window: int | None = None
+    # Per layer: its window, or None for global attention (empty: every layer global).
+    layer_windows: tuple[int | None, ...] = ()
     # o_proj carries a bias: HF's Llama and Qwen3 tie it to attention_bias, Qwen2/Mistral/Phi-3 never have one.
     o_proj_bias: bool = False
-    # Qwen3: an RMSNorm over head_dim on every q and k head, before rotary.
+    # Qwen3, Gemma 3: an RMSNorm over head_dim on every q and k head, before rotary.
     qk_norm: bool = False
     # Mixtral / Qwen2-MoE / Qwen3-MoE: routed experts (models/moe.py); None: dense MLPs.
     moe: MoeConfig | None = None
+    # Gemma 2 / 3 only (models/gemma.py): scale, soft caps, the local layers' rotary.
+    gemma: GemmaOptions | None = None
+
+    def window_of(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None where it attends to every earlier key."""
+        return self.layer_windows[layer] if self.layer_windows else None
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> "ModelConfig":
@@ -87,7 +99,7 @@ class ModelConfig:
                 f"unsupported model_type {model_type!r}: pagemill runs {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
         act = d.get("hidden_act", "silu")
-        if act != "silu":
+        if act != "silu" and model_type not in GEMMA_MODEL_TYPES:  # Gemma: GeGLU, gemma_options checks
             raise ValueError(f"unsupported hidden_act {act!r}: only silu (SwiGLU MLP) is implemented")
 
         hidden = int(d["hidden_size"])
@@ -98,11 +110,15 @@ class ModelConfig:
             raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
         head_dim = int(d.get("head_dim") or hidden // heads)
 
-        rope_theta, rope_scaling = _parse_rope(d, head_dim)
+        gemma = gemma_options(d, model_type, head_dim) if model_type in GEMMA_MODEL_TYPES else None
+        # Gemma 3 lists rope per layer type: the global layers' is the model's rotary.
+        rope_theta, rope_scaling = _parse_rope(global_rope_dict(d) if gemma else d, head_dim)
 
         sliding_window = d.get("sliding_window")
         if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe") and not d.get("use_sliding_window", False):
             sliding_window = None  # Qwen2/3 write a window but only use it when asked
+        sliding_window = int(sliding_window) if sliding_window else None
+        num_layers = int(d["num_hidden_layers"])
         if model_type == "qwen2":
             attention_bias = True  # Qwen2's config has no flag: its q/k/v projections always have a bias
         elif model_type == "qwen2_moe":
@@ -117,7 +133,7 @@ class ModelConfig:
             vocab_size=int(d["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_hidden_layers=num_layers,
             num_attention_heads=heads,
             num_key_value_heads=kv_heads,
             head_dim=head_dim,
@@ -125,16 +141,49 @@ class ModelConfig:
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            # Gemma's configs may leave it out: their classes default to tied.
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", gemma is not None)),
             attention_bias=attention_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
             eos_token_ids=_eos_ids(d, generation),
             bos_token_id=d.get("bos_token_id"),
-            sliding_window=int(sliding_window) if sliding_window else None,
-            o_proj_bias=attention_bias and model_type in ("llama", "qwen3", "qwen3_moe"),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            sliding_window=sliding_window,
+            layer_windows=layer_windows(d, model_type, sliding_window, num_layers),
+            o_proj_bias=attention_bias and model_type in ("llama", "qwen3", "qwen3_moe", *GEMMA_MODEL_TYPES),
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
             moe=parse_moe(model_type, d),
+            gemma=gemma,
         )
+
+
+def all_layers_window(config: ModelConfig) -> int:
+    """The window every layer shares, 0 when any layer is global (what the router may free behind)."""
+    windows = set(config.layer_windows)
+    return windows.pop() if len(windows) == 1 and None not in windows and config.layer_windows else 0
+
+
+def layer_windows(d: dict[str, Any], model_type: str, window: int | None, num_layers: int
+                  ) -> tuple[int | None, ...]:  # fmt: skip
+    """Which layers slide, as transformers decides: `layer_types` where the config lists them
+    (transformers >= 4.54 writes them for Qwen2/3 and Gemma), else Qwen's rule (layers from
+    max_window_layers on), Gemma's interleaving, or, for Mistral and Phi-3, every layer."""
+    if window is None:
+        return ()
+    types = d.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types lists {len(types)} layers, num_hidden_layers is {num_layers}")
+        unknown = set(types) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ValueError(f"unsupported layer_types {sorted(unknown)}: pagemill runs sliding_attention and "
+                             "full_attention layers")  # fmt: skip
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        first = int(d.get("max_window_layers", 28))
+        return tuple(window if i >= first else None for i in range(num_layers))
+    if model_type in GEMMA_MODEL_TYPES:
+        return tuple(window if s else None for s in default_sliding_layers(d, model_type, num_layers))
+    return (window,) * num_layers
 
 
 def _parse_rope(d: dict[str, Any], head_dim: int) -> tuple[float, RopeScaling | None]:

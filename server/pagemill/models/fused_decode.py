@@ -68,6 +68,8 @@ class FusedDecoder:
         self._dims: dict[int, torch.Tensor] = {}  # block_size -> dims table
         self._held: list[torch.Tensor] = []
         self._tables = [self._pointer_table(layer) for layer in layers]
+        # Each layer's sliding window (0: global), as the kernel takes it.
+        self._windows = [layer.self_attn.sliding_window or 0 for layer in layers]
 
     @classmethod
     def build(cls, model: nn.Module, kernels: DecodeKernels | None) -> "FusedDecoder | None":
@@ -129,14 +131,14 @@ class FusedDecoder:
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         b = x.shape[0]
         args = (dims.data_ptr(), self._eps, self._scale, cos.data_ptr(), sin.data_ptr())
-        # 0: no sliding window (every key of the sequence).
-        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), 0, torch.get_num_threads())
+        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), torch.get_num_threads())
         if self.dtype == torch.bfloat16:
             layer, rest = self._kernels.layer_bf16, (*rest, BF16_MUL[self.mul])
         else:
             layer = self._kernels.layer
-        for ptrs, (k, v) in zip(self._tables, kv_caches, strict=True):
-            rc = layer(x.data_ptr(), b, ptrs.data_ptr(), *args, k.data_ptr(), v.data_ptr(), *rest)
+        for ptrs, window, (k, v) in zip(self._tables, self._windows, kv_caches, strict=True):
+            rc = layer(x.data_ptr(), b, ptrs.data_ptr(), *args, k.data_ptr(), v.data_ptr(), *rest[:4], window,
+                       *rest[4:])
             if rc != 0:
                 raise ValueError(f"fused decode layer rejected its shapes (rc={rc})")
         return x.to(self.dtype)

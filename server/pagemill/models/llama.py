@@ -68,6 +68,9 @@ class Attention(nn.Module):
         self.num_kv_heads = layout.heads.kv.size
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
+        # This layer's sliding window (None: global); the model sets it from config.layer_windows.
+        self.sliding_window: int | None = None
+        self.softcap: float | None = None  # attention-logit cap (Gemma 2)
         self.backend = backend
         h, bias = config.hidden_size, config.attention_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -88,9 +91,9 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         if meta.is_prefill:
-            out = self.backend.prefill(q, k, v, k_cache, v_cache, meta, self.scale)
+            out = self.backend.prefill(q, k, v, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap)
         else:
-            out = self.backend.decode(q, k_cache, v_cache, meta, self.scale)
+            out = self.backend.decode(q, k_cache, v_cache, meta, self.scale, self.sliding_window, self.softcap)
         return self.o_proj(out.reshape(t, self.num_heads * self.head_dim))
 
     def before_rotary(self, qk: torch.Tensor) -> torch.Tensor:
@@ -123,6 +126,8 @@ class LlamaModel(nn.Module):
             DecoderLayer(config, backend, layout, group, attention_cls, mlp_for_layer(i))
             for i in range(config.num_hidden_layers)
         )
+        for i, layer in enumerate(self.layers):
+            layer.self_attn.sliding_window = config.window_of(i)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.fused: FusedDecoder | None = None  # set by LlamaForCausalLM.pack_weights where it applies
@@ -141,8 +146,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    # What subclasses change: the attention module, and which checkpoint projections are fused at load.
+    # What subclasses change: the attention module, the decoder stack (gemma.py), and which
+    # checkpoint projections are fused at load.
     attention_cls: type[Attention] = Attention
+    model_cls: type[nn.Module] = LlamaModel
     stacked_params: dict[str, tuple[str, int]] = STACKED_PARAMS
     impl = "native"  # what /info says runs the model (models/transformers_backend.py: "transformers")
 
@@ -161,7 +168,10 @@ class LlamaForCausalLM(nn.Module):
             config.num_attention_heads, config.num_key_value_heads, config.intermediate_size, config.vocab_size,
             self.group.world_size, self.group.rank,
         )  # fmt: skip
-        self.model = LlamaModel(config, backend, self.layout, self.group, self.attention_cls, self.mlp_for_layer)
+        if self.model_cls is LlamaModel:  # MoE layers (moe.py) plug in through mlp_for_layer
+            self.model = LlamaModel(config, backend, self.layout, self.group, self.attention_cls, self.mlp_for_layer)
+        else:
+            self.model = self.model_cls(config, backend, self.layout, self.group, self.attention_cls)
         self.lm_head = ParallelLMHead(config.hidden_size, self.layout.vocab, config.vocab_size, self.group)
         self.tie_weights()
 

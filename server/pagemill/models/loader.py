@@ -92,12 +92,10 @@ def load_model(
     if quantize is not None:
         quantize_model(model, cpu_kernels)
     model.pack_weights(cpu_kernels)  # CPU float32/bf16 only; see models/packed_linear.py
-    if config.sliding_window is not None and config.sliding_window < config.max_position_embeddings:
-        log.warning(
-            "sliding_window=%d is not applied by the attention backends; sequences longer than it "
-            "will diverge from the reference model",
-            config.sliding_window,
-        )
+    if config.layer_windows:
+        windowed = sum(w is not None for w in config.layer_windows)
+        log.info("sliding window %d tokens in %d of %d layers", config.sliding_window, windowed,
+                 config.num_hidden_layers)  # fmt: skip
     return model, config
 
 

@@ -27,7 +27,7 @@ from pagemill.attention.backend import select_backend
 from pagemill.attention.kv_dtype import check_kv_dtype, kv_dtype_name, parse_kv_cache_dtype
 from pagemill.config import ShardConfig
 from pagemill.cpu_kernels import greedy_kernel
-from pagemill.models.config import ModelConfig
+from pagemill.models.config import ModelConfig, all_layers_window
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.auto_dtype import resolve_dtype
 from pagemill.models.loader import dtype_name, load_model, parse_dtype
@@ -159,6 +159,7 @@ class ModelRunner:
             model_impl=self.model.impl,
             speculate=self.speculate,
             kv_cache_dtype=kv_dtype_name(self.kv_dtype),
+            sliding_window=all_layers_window(self.config),
         )
 
     def health(self) -> None:
@@ -213,7 +214,8 @@ class ModelRunner:
         router ended, compute every consistent entry in one forward, sample where a range
         reaches the end of the known tokens. One Generation per entry, in order."""
         pool = self._require_pool()
-        lim = Limits(self.block_size, pool.num_blocks, self.config.vocab_size, self.device)
+        lim = Limits(self.block_size, pool.num_blocks, self.config.vocab_size, self.device,
+                     all_layers_window(self.config))  # fmt: skip
         entries = check_step(req, self.requests, lim)
         for e, s in zip(entries, req.requests):
             if e.fresh:

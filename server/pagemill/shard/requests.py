@@ -51,6 +51,9 @@ class Limits:
     num_blocks: int
     vocab_size: int
     device: torch.device
+    # Every layer's window (0: some layer is global; InfoResponse.sliding_window): the router
+    # gives back blocks behind it, and may hand the same id to this request again later.
+    sliding_window: int = 0
 
 
 @dataclass
@@ -120,7 +123,11 @@ def check_step(req, held: dict[int, RequestState], lim: Limits) -> list[Entry]:
         if len(table) < needed:
             raise invalid(f"request {s.id}: block table has {len(table)} blocks, positions up to "
                           f"{end + s.max_proposals} need {needed}")  # fmt: skip
-        if len(set(table)) != len(table):
+        # Blocks wholly behind every layer's window were given back (docs/kv_cache.md): only
+        # the ones still read must be distinct.
+        dead = max(0, s.num_computed + 1 - lim.sliding_window) // lim.block_size if lim.sliding_window else 0
+        live = table[dead:]
+        if len(set(live)) != len(live):
             raise invalid(f"request {s.id}: block table repeats a block id")
         entries.append(Entry(s.id, state, s.num_computed, s.num_tokens, s.max_proposals, list(s.new_block_ids), fresh))
     return entries

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 
 
 def head_block(head_dim: int) -> int:
@@ -25,3 +26,21 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache and v_cache must have the same shape and strides")
     if k_cache.stride(-1) != 1 or k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1):
         raise ValueError("KV cache layers must be [num_blocks, block_size, kv_heads, head_dim] with dense blocks")
+
+
+NO_WINDOW = 1 << 30  # the window a global layer passes: longer than any context
+
+
+def window_arg(window: int | None) -> int:
+    """The kernels' window argument: a key is visible to a query iff key > query - window."""
+    return NO_WINDOW if window is None else int(window)
+
+
+@triton.jit
+def soft_cap(s, SOFTCAP: tl.constexpr):
+    """SOFTCAP * tanh(s / SOFTCAP) (Gemma 2's attention-logit capping); s itself when SOFTCAP is 0.
+    tanh through exp2, which every Triton backend and the interpreter have."""
+    if SOFTCAP > 0:
+        e = tl.exp2(s * (2.0 * 1.4426950408889634 / SOFTCAP))
+        s = SOFTCAP * (1.0 - 2.0 / (e + 1.0))
+    return s

@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagemill.attention.kernels.common import check_cache, dot_precision, head_block
-from pagemill.attention.kernels.prefill import LOG2E
+from pagemill.attention.kernels.common import check_cache, dot_precision, head_block, soft_cap, window_arg
 
 BLOCK_N = 64  # keys per inner step: a 64 x 128 bf16 K tile is 16 KiB
 MIN_PARTITION = 256  # shorter partitions cost more in partial writes + reduce than they gain
@@ -30,10 +29,11 @@ PROGRAMS_PER_SM = 2  # enough resident programs per SM to overlap one's loads wi
 @triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, part_out_ptr, part_lse_ptr, block_tables_ptr, context_lens_ptr,
-    qk_scale, stride_qb, stride_qh, stride_ob, stride_oh,
+    scale, window, stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt, num_heads, max_splits, partition_size,
     GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     kv_head = tl.program_id(0)
     seq = tl.program_id(1)
@@ -59,7 +59,9 @@ def _decode_kernel(
     l_i = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    for tile_start in range(start, end, BLOCK_N):
+    # A sliding window hides keys before kv_len - window. A partition wholly
+    # before it writes out 0 and lse -inf (l_i stays 0), which the reduce weighs 0.
+    for tile_start in range(tl.maximum(start, kv_len - window), end, BLOCK_N):
         cols = tile_start + tl.arange(0, BLOCK_N)
         col_ok = cols < end
         block = tl.load(table + cols // BLOCK_SIZE, mask=col_ok, other=0).to(tl.int64)
@@ -68,7 +70,8 @@ def _decode_kernel(
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
 
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        qk = soft_cap(qk, SOFTCAP) * 1.4426950408889634  # log2(e): the softmax runs on exp2
         qk = tl.where(col_ok[None, :], qk, float("-inf"))
         # The partition's first tile has a visible key in every row: m_i is finite after it.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -78,7 +81,7 @@ def _decode_kernel(
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     mask = g_ok[:, None] & d_ok[None, :]
     if SPLIT:
         part = (seq * num_heads + heads) * max_splits + split  # [B, heads, max_splits] row
@@ -132,8 +135,11 @@ def paged_decode(
     max_kv_len: int,
     scale: float,
     partition_size: int,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [B, heads, head_dim], one token per sequence, against its first context_lens[i] keys."""
+    """q [B, heads, head_dim], one token per sequence, against its first context_lens[i] keys
+    (the last `window` of them for a sliding-window layer); softcap: as paged_prefill."""
     check_cache(k_cache, v_cache)
     batch, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -149,11 +155,11 @@ def paged_decode(
     part_lse = torch.empty((batch, heads, splits) if split else (0,), dtype=torch.float32, device=q.device)
     _decode_kernel[(kv_heads, batch, splits)](
         q, k_cache, v_cache, out, part_out, part_lse, block_tables, context_lens,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale, window_arg(window), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), heads, splits, partition_size,
         GROUP=group, BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_N=BLOCK_N, BLOCK_D=head_block(head_dim), SPLIT=split, PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        SOFTCAP=float(softcap or 0.0), num_warps=4, num_stages=2,
     )  # fmt: skip
     if split:
         _reduce_kernel[(heads, batch)](

@@ -16,18 +16,17 @@ import torch
 import triton
 import triton.language as tl
 
-from pagemill.attention.kernels.common import check_cache, dot_precision, head_block
-
-LOG2E = 1.4426950408889634  # scores are scaled by log2(e) so the kernel can use exp2
+from pagemill.attention.kernels.common import check_cache, dot_precision, head_block, soft_cap, window_arg
 
 
 @triton.jit
 def _prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, block_tables_ptr, cu_seqlens_q_ptr, context_lens_ptr,
-    qk_scale, stride_qt, stride_qh, stride_ot, stride_oh,
+    scale, window, stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PRECISION: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):  # fmt: skip
     # Heads vary fastest in launch order, so the GROUP query heads sharing a
     # kv head run side by side and read the same K/V tiles from L2.
@@ -56,11 +55,11 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table = block_tables_ptr + seq * stride_bt
-    # Keys after the tile's last query are masked for every row: stop there.
-    # Key 0 is visible to every row, so after the first tile no row's max is
-    # -inf and exp2(m_i - m_new) never sees -inf - -inf.
+    # Keys after the tile's last query are masked for every row: stop there;
+    # keys before the first query's window are masked for every row: start there.
     hi = tl.minimum(kv_len, cached + (tile + 1) * BLOCK_M)
-    for start in range(0, hi, BLOCK_N):
+    lo = tl.maximum(cached + tile * BLOCK_M - window + 1, 0)
+    for start in range(lo, hi, BLOCK_N):
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < hi
         # A tile may straddle pool blocks: each key finds its own block.
@@ -70,19 +69,23 @@ def _prefill_kernel(
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
 
-        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * qk_scale
-        visible = (cols[None, :] <= q_pos[:, None]) & col_ok[None, :]
+        qk = tl.dot(q, tl.trans(k.to(q.dtype)), input_precision=PRECISION) * scale
+        qk = soft_cap(qk, SOFTCAP) * 1.4426950408889634  # log2(e): the softmax runs on exp2
+        visible = (cols[None, :] <= q_pos[:, None]) & (cols[None, :] > q_pos[:, None] - window) & col_ok[None, :]
         qk = tl.where(visible, qk, float("-inf"))
+        # A sliding window can leave a row nothing visible in a tile so far:
+        # subtract 0 instead of -inf there (exp2(-inf - -inf) would be nan).
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.exp2(qk - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
         # P goes back to the input type for the tensor-core PV product, as in
         # FlashAttention-2; the accumulator stays fp32.
         acc = tl.dot(p.to(q.dtype), v.to(q.dtype), acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
 
-    out = acc / l_i[:, None]
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]  # 0: a padding row a window left nothing
     tl.store(
         out_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + d[None, :],
         out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :],
@@ -112,8 +115,11 @@ def paged_prefill(
     context_lens: torch.Tensor,
     max_seqlen_q: int,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q [T, heads, head_dim] packed by cu_seqlens_q; keys are the first context_lens[i] of each table."""
+    """q [T, heads, head_dim] packed by cu_seqlens_q; keys are the first context_lens[i] of each table.
+    window: a query sees only its last `window` keys; softcap: Gemma 2's attention-logit capping."""
     check_cache(k_cache, v_cache)
     tokens, heads, head_dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -126,10 +132,10 @@ def paged_prefill(
     grid = (heads, triton.cdiv(max_seqlen_q, block_m), block_tables.shape[0])
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, block_tables, cu_seqlens_q, context_lens,
-        scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        scale, window_arg(window), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=heads // kv_heads, BLOCK_SIZE=block_size, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=head_block(head_dim), PRECISION=dot_precision(q.dtype),
-        num_warps=4, num_stages=2,
+        SOFTCAP=float(softcap or 0.0), num_warps=4, num_stages=2,
     )  # fmt: skip
     return out
