@@ -97,6 +97,12 @@ pub struct RouterConfig {
     // local user could read it with `ps`.
     #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
     pub api_key: Option<String>,
+    /// format of the model's tool calls on the chat routes (default: inferred from the chat template)
+    #[arg(long, value_enum)]
+    pub tool_call_parser: Option<crate::tools::ToolCallParser>,
+    /// split the reasoning block of reasoning models into `reasoning_content` (`think`: <think>...</think>)
+    #[arg(long, value_enum)]
+    pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
     /// largest `n` (OpenAI) / `best_of` (TGI) of one request
     #[arg(long, default_value_t = 4)]
     pub max_best_of: u32,
