@@ -17,6 +17,7 @@ use super::{ops, tgi};
         tgi::tokenize,
         completions::completions,
         chat::chat_completions,
+        super::responses::responses,
         super::anthropic::messages,
         super::openai::models,
         ops::health,

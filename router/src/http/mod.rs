@@ -6,6 +6,7 @@ mod docs;
 mod extract;
 mod headers;
 pub mod openai;
+pub mod responses;
 mod ops;
 pub mod tgi;
 pub mod types;
@@ -77,6 +78,7 @@ pub fn router(app: AppState, payload_limit: usize) -> Router {
     let openai = Router::new()
         .route("/v1/completions", post(openai::completions::completions))
         .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(openai::models))
         .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key))
         // Outside auth, so a 401 has OpenAI's shape too.
