@@ -84,8 +84,10 @@ def assert_valid(call):
 
 
 def test_required_call_parses_and_validates(client):
+    # One call: with parallel calls, random weights go on calling until max_tokens cuts the last one
+    # (which then stays content, see test_parallel_tool_calls).
     r = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, tool_choice="required",
-                                       max_tokens=96, temperature=0)
+                                       max_tokens=96, temperature=0, parallel_tool_calls=False)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls", choice
     assert choice.message.tool_calls and choice.message.content is None
@@ -126,6 +128,7 @@ def test_parallel_tool_calls(client):
     many = client.chat.completions.create(**args).choices[0].message.tool_calls
     one = client.chat.completions.create(**args, parallel_tool_calls=False).choices[0].message.tool_calls
     assert len(many) >= 2 and len(one) == 1
+    # The call max_tokens cut short is not a call: it stays content.
     for c in many + one:
         assert_valid(c)
     assert len({c.id for c in many}) == len(many)
@@ -135,7 +138,9 @@ def test_two_turns_with_a_tool_result(client, model_dir):
     from transformers import AutoTokenizer
 
     first = client.chat.completions.create(model="m", messages=ASK, tools=TOOLS, max_tokens=96, temperature=0,
-                                           tool_choice={"type": "function", "function": {"name": "get_weather"}})
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           parallel_tool_calls=False)
+    assert first.choices[0].message.content is None
     call = first.choices[0].message.tool_calls[0]
     history = ASK + [first.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]

@@ -44,11 +44,14 @@ const FRAMING: Framing = Framing { error: error_event, done: false };
 /// Create a message (Anthropic Messages API).
 #[utoipa::path(post, path = "/v1/messages", tag = "Anthropic", request_body = MessagesRequest,
     responses(
-        (status = 200, description = "The message, or its SSE events when `stream`", body = MessagesResponse),
+        (status = 200, description = "The message, or its named SSE events when `stream`", content(
+            (MessagesResponse = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "Invalid input, or a field this route does not accept", body = AnthropicErrorBody),
         (status = 401, description = "Missing or wrong API key (`x-api-key` or `Authorization: Bearer`)", body = AnthropicErrorBody),
         (status = 424, description = "Generation failed", body = AnthropicErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = AnthropicErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = AnthropicErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = AnthropicErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = AnthropicErrorBody),
     ))]
 pub async fn messages(State(app): State<AppState>, JsonBody(req): JsonBody<MessagesRequest>) -> Result<Response, RouterError> {
     let chat = convert::to_chat(&req)?;

@@ -87,11 +87,14 @@ fn finish(obj: &mut ResponseObject, reason: &FinishReason, input: u32, output: u
 /// Create a model response (OpenAI Responses API, stateless).
 #[utoipa::path(post, path = "/v1/responses", tag = "OpenAI", request_body = ResponsesRequest,
     responses(
-        (status = 200, description = "The response, or its typed SSE events when `stream`", body = ResponseObject),
+        (status = 200, description = "The response, or its typed SSE events when `stream`", content(
+            (ResponseObject = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "Invalid input, or a field this route does not accept", body = OpenAiErrorBody),
         (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody),
         (status = 424, description = "Generation failed", body = OpenAiErrorBody),
-        (status = 429, description = "Too many concurrent requests", body = OpenAiErrorBody),
+        (status = 413, description = "Body over --payload-limit", body = OpenAiErrorBody),
+        (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = OpenAiErrorBody),
+        (status = 503, description = "Shutting down (draining)", body = OpenAiErrorBody),
     ))]
 pub async fn responses(State(app): State<AppState>, JsonBody(req): JsonBody<ResponsesRequest>) -> Result<Response, RouterError> {
     let chat = convert::to_chat(&req)?;
