@@ -23,6 +23,8 @@ TOOLS = [{"name": t["function"]["name"], "description": t["function"].get("descr
           "input_schema": t["function"]["parameters"]} for t in (WEATHER, ADD)]
 SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+# Recent `anthropic` clients have no `temperature` argument; the server honours the field.
+GREEDY = {"temperature": 0}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,7 @@ def client(srv):
 
 
 def test_plain_message(client):
-    m = client.messages.create(model="tiny", max_tokens=12, system="Be brief.", messages=ASK, temperature=0)
+    m = client.messages.create(model="tiny", max_tokens=12, system="Be brief.", messages=ASK, extra_body=GREEDY)
     assert m.type == "message" and m.role == "assistant" and m.model == "tiny"
     assert m.stop_reason in ("end_turn", "max_tokens")
     assert 0 < m.usage.output_tokens <= 12 and m.usage.input_tokens > 0
@@ -53,7 +55,7 @@ def test_plain_message(client):
 
 
 def test_streamed_text_equals_plain(client):
-    args = dict(model="tiny", max_tokens=12, messages=ASK, temperature=0)
+    args = dict(model="tiny", max_tokens=12, messages=ASK, extra_body=GREEDY)
     plain = client.messages.create(**args)
     with client.messages.stream(**args) as s:
         text = "".join(s.text_stream)
@@ -64,16 +66,16 @@ def test_streamed_text_equals_plain(client):
 
 def test_stop_sequences(client):
     full = "".join(b.text for b in client.messages.create(model="tiny", max_tokens=24, messages=ASK,
-                                                          temperature=0).content)
+                                                          extra_body=GREEDY).content)
     assert len(full) >= 6, full
     stop = full[len(full) // 2: len(full) // 2 + 3]
-    m = client.messages.create(model="tiny", max_tokens=24, messages=ASK, temperature=0, stop_sequences=[stop])
+    m = client.messages.create(model="tiny", max_tokens=24, messages=ASK, extra_body=GREEDY, stop_sequences=[stop])
     assert m.stop_reason == "stop_sequence"
     assert "".join(b.text for b in m.content) == full[: full.index(stop)]
 
 
 def test_forced_tool_use_plain_and_streamed(client):
-    args = dict(model="tiny", max_tokens=96, messages=ASK, tools=TOOLS, temperature=0,
+    args = dict(model="tiny", max_tokens=96, messages=ASK, tools=TOOLS, extra_body=GREEDY,
                 tool_choice={"type": "tool", "name": "get_weather"})
     m = client.messages.create(**args)
     uses = [b for b in m.content if b.type == "tool_use"]
@@ -88,7 +90,7 @@ def test_forced_tool_use_plain_and_streamed(client):
 
 
 def test_any_tool_then_a_tool_result(client):
-    first = client.messages.create(model="tiny", max_tokens=96, messages=ASK, tools=TOOLS, temperature=0,
+    first = client.messages.create(model="tiny", max_tokens=96, messages=ASK, tools=TOOLS, extra_body=GREEDY,
                                    tool_choice={"type": "any", "disable_parallel_tool_use": True})
     uses = [b for b in first.content if b.type == "tool_use"]
     assert len(uses) == 1 and first.stop_reason == "tool_use"
@@ -96,7 +98,7 @@ def test_any_tool_then_a_tool_result(client):
     history = ASK + [{"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in first.content]},
                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                                    "content": "21 degrees"}]}]
-    second = client.messages.create(model="tiny", max_tokens=5, messages=history, tools=TOOLS, temperature=0)
+    second = client.messages.create(model="tiny", max_tokens=5, messages=history, tools=TOOLS, extra_body=GREEDY)
     assert second.stop_reason in ("end_turn", "max_tokens")
     assert second.usage.input_tokens > first.usage.input_tokens
 

@@ -60,8 +60,8 @@ def client(think_ids):
 
 def ask(client, think_ids, seed, **more):
     # About one chance in ten per token of closing the block.
-    args = dict(model="m", messages=ASK, temperature=1.0, seed=seed, max_tokens=40,
-                logit_bias={str(think_ids[1]): 8.5}, **more)
+    args = {**dict(model="m", messages=ASK, temperature=1.0, seed=seed, max_tokens=40,
+                   logit_bias={str(think_ids[1]): 8.5}), **more}
     return args, client.chat.completions.create(**args)
 
 
@@ -78,7 +78,7 @@ def streamed(client, args):
 def test_reasoning_is_split_from_content_streamed_and_not(client, think_ids):
     seen = 0
     for seed in range(8):
-        args, r = ask(client, think_ids, seed, ignore_eos=True)
+        args, r = ask(client, think_ids, seed, extra_body={"ignore_eos": True})
         msg = r.choices[0].message
         reasoning = msg.reasoning_content
         assert isinstance(reasoning, str) and "</think>" not in reasoning
@@ -91,7 +91,8 @@ def test_reasoning_is_split_from_content_streamed_and_not(client, think_ids):
 
 
 def test_an_unclosed_block_is_all_reasoning(client):
-    r = client.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=6, ignore_eos=True)
+    r = client.chat.completions.create(model="m", messages=ASK, temperature=0, max_tokens=6,
+                                       extra_body={"ignore_eos": True})
     msg = r.choices[0].message
     assert msg.reasoning_content and msg.content == "" and r.usage.completion_tokens == 6
 

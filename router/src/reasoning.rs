@@ -122,9 +122,10 @@ impl ReasoningStreamer {
 }
 
 /// The request's grammar moved after the think block: `answer` is a Lark
-/// grammar whose start rule is `start`; reasoning is any text up to the
-/// first `</think>`.
-pub fn wrap_grammar(answer: &str, opened: bool) -> String {
+/// grammar whose start rule is `start`; reasoning is any text without
+/// `</think>`. The tags are matched as text or, where the tokenizer has
+/// them as added tokens (which llguidance treats as special), by token id.
+pub fn wrap_grammar(answer: &str, opened: bool, tag_ids: (Option<u32>, Option<u32>)) -> String {
     let renamed: Vec<String> = answer
         .lines()
         .map(|l| match l.strip_prefix("start:") {
@@ -132,9 +133,18 @@ pub fn wrap_grammar(answer: &str, opened: bool) -> String {
             None => l.to_string(),
         })
         .collect();
-    let head = if opened { "start: THINK WS? answer" } else { "start: (\"<think>\" THINK WS?)? answer" };
+    let tag = |text: &str, id: Option<u32>| match id {
+        Some(id) => format!("\"{text}\" | <[{id}]>"),
+        None => format!("\"{text}\""),
+    };
+    let head = if opened {
+        "start: REASONING? think_close WS? answer".to_string()
+    } else {
+        format!("start: (think_open REASONING? think_close WS?)? answer\nthink_open: {}", tag(OPEN, tag_ids.0))
+    };
     format!(
-        "{head}\nTHINK: /(?s:.*)<\\/think>/ & ~/(?s:.*<\\/think>.+)/\nWS: /[ \\t\\r\\n]+/\n{}\n",
+        "{head}\nthink_close: {}\nREASONING: /(?s:.*)/ & ~/(?s:.*<\\/think>.*)/\nWS: /[ \\t\\r\\n]+/\n{}\n",
+        tag(CLOSE, tag_ids.1),
         renamed.join("\n")
     )
 }
@@ -195,9 +205,10 @@ mod tests {
 
     #[test]
     fn grammar_goes_after_the_block() {
-        let g = wrap_grammar("start: call\ncall: \"x\"\n", true);
-        assert!(g.starts_with("start: THINK WS? answer\n"), "{g}");
+        let g = wrap_grammar("start: call\ncall: \"x\"\n", true, (None, Some(7)));
+        assert!(g.starts_with("start: REASONING? think_close WS? answer\nthink_close: \"</think>\" | <[7]>\n"), "{g}");
         assert!(g.contains("\nanswer: call\ncall: \"x\"\n"), "{g}");
-        assert!(wrap_grammar("start: \"x\"", false).starts_with("start: (\"<think>\" THINK WS?)? answer\n"));
+        let g = wrap_grammar("start: \"x\"", false, (None, None));
+        assert!(g.starts_with("start: (think_open REASONING? think_close WS?)? answer\nthink_open: \"<think>\"\n"), "{g}");
     }
 }

@@ -32,11 +32,19 @@ fn call_schema(tool: &Tool, args_key: &str) -> String {
 }
 
 /// A Lark grammar (llguidance dialect) for one or more calls of `tools`.
-pub fn lark(format: ToolCallParser, tools: &[Tool], parallel: bool) -> String {
+/// `tag_ids`: token ids of `<tool_call>` and `</tool_call>` where the
+/// tokenizer has them as added tokens (llguidance treats those as special,
+/// so they are matched by id as well as by text).
+pub fn lark(format: ToolCallParser, tools: &[Tool], parallel: bool, tag_ids: (Option<u32>, Option<u32>)) -> String {
     let args_key = if format == ToolCallParser::Llama3Json { "parameters" } else { "arguments" };
+    let tag = |text: &str, id: Option<u32>| match id {
+        Some(id) => format!("(\"{text}\" | <[{id}]>)"),
+        None => format!("\"{text}\""),
+    };
+    let hermes = format!("{} \"\\n\" fn \"\\n\" {}", tag("<tool_call>", tag_ids.0), tag("</tool_call>", tag_ids.1));
     let mut g = String::new();
     let (call, sep, open, close) = match format {
-        ToolCallParser::Hermes => ("\"<tool_call>\\n\" fn \"\\n</tool_call>\"", "\"\\n\"", "", ""),
+        ToolCallParser::Hermes => (hermes.as_str(), "\"\\n\"", "", ""),
         ToolCallParser::Llama3Json => ("fn", "\"; \"", "", ""),
         // The marker is a special token the grammar cannot write as text; the parser reads a bare array.
         ToolCallParser::Mistral => ("fn", "\", \"", "\"[\" ", " \"]\""),
@@ -67,9 +75,11 @@ mod tests {
 
     #[test]
     fn hermes_grammar_shape() {
-        let g = lark(ToolCallParser::Hermes, &tools(), true);
+        let g = lark(ToolCallParser::Hermes, &tools(), true, (None, None));
         assert!(g.starts_with("start: call (\"\\n\" call)*\n"), "{g}");
-        assert!(g.contains("call: \"<tool_call>\\n\" fn \"\\n</tool_call>\"\n"));
+        assert!(g.contains("call: \"<tool_call>\" \"\\n\" fn \"\\n\" \"</tool_call>\"\n"), "{g}");
+        let ids = lark(ToolCallParser::Hermes, &tools(), true, (Some(5), Some(6)));
+        assert!(ids.contains("call: (\"<tool_call>\" | <[5]>) \"\\n\" fn \"\\n\" (\"</tool_call>\" | <[6]>)\n"), "{ids}");
         assert!(g.contains("fn: fn_0 | fn_1\n"));
         assert!(g.contains(r#"fn_0: %json {"type":"object","properties":{"name":{"const":"get_weather"},"arguments":{"type":"object","properties":{"city""#), "{g}");
         assert!(g.contains(r#"fn_1: %json {"type":"object","properties":{"name":{"const":"add"},"arguments":{"type":"object"}}"#), "{g}");
@@ -77,10 +87,10 @@ mod tests {
 
     #[test]
     fn single_call_and_other_formats() {
-        assert!(lark(ToolCallParser::Hermes, &tools()[..1], false).starts_with("start: call\n"));
-        let l = lark(ToolCallParser::Llama3Json, &tools(), true);
+        assert!(lark(ToolCallParser::Hermes, &tools()[..1], false, (None, None)).starts_with("start: call\n"));
+        let l = lark(ToolCallParser::Llama3Json, &tools(), true, (None, None));
         assert!(l.starts_with("start: call (\"; \" call)*\n") && l.contains("\"parameters\""), "{l}");
-        let m = lark(ToolCallParser::Mistral, &tools(), false);
+        let m = lark(ToolCallParser::Mistral, &tools(), false, (None, None));
         assert!(m.starts_with("start: \"[\" call \"]\"\n"), "{m}");
     }
 }

@@ -33,7 +33,9 @@ pub fn prepare(app: &AppState, req: &ChatCompletionRequest, top_n: Option<u32>) 
             if parameters.grammar.is_some() {
                 return Err(invalid("`response_format` cannot be combined with a forced `tool_choice`"));
             }
-            parameters.extras.lark = Some(tools::grammar::lark(p.format, forced, p.parallel));
+            let tokenizer = app.infer.validation().tokenizer();
+            let ids = (tokenizer.token_to_id("<tool_call>"), tokenizer.token_to_id("</tool_call>"));
+            parameters.extras.lark = Some(tools::grammar::lark(p.format, forced, p.parallel, ids));
         }
     }
     let think = app.reasoning_parser.map(|_| reasoning::opened_by_prompt(&prompt));
@@ -43,7 +45,9 @@ pub fn prepare(app: &AppState, req: &ChatCompletionRequest, top_n: Option<u32>) 
             (None, Some(g)) => Some(crate::grammar::to_lark(&g)?),
             (None, None) => None,
         };
-        parameters.extras.lark = answer.map(|a| reasoning::wrap_grammar(&a, opened));
+        let tokenizer = app.infer.validation().tokenizer();
+        let ids = (tokenizer.token_to_id(reasoning::OPEN), tokenizer.token_to_id(reasoning::CLOSE));
+        parameters.extras.lark = answer.map(|a| reasoning::wrap_grammar(&a, opened, ids));
     }
     let input = GenerateInput { add_special_tokens: false, ..GenerateInput::new(prompt, parameters) };
     Ok(PreparedChat { input, n: req.sampling.n.unwrap_or(1), plan, think })
