@@ -121,3 +121,66 @@ def test_errors_have_anthropic_shape(client, srv):
     r = httpx.post(f"{srv.url}/v1/messages", json={"model": "t", "max_tokens": 2, "messages": ASK},
                    headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
     assert r.status_code == 200 and r.json()["type"] == "message"
+
+
+# --- every field of the request schema is honoured (or rejected, above) ------------------------------
+
+def _fields(srv, schema: str) -> set[str]:
+    spec = httpx.get(f"{srv.url}/openapi.json", timeout=10).json()
+    return set(spec["components"]["schemas"][schema]["properties"])
+
+
+def _raw(srv, **fields) -> dict:
+    body = {"model": "tiny", "max_tokens": 8, "messages": ASK, "temperature": 0, **fields}
+    r = httpx.post(f"{srv.url}/v1/messages", json=body, headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 200, (fields, r.text)
+    return r.json() if not fields.get("stream") else {"events": r.text}
+
+
+def _text(out: dict) -> str:
+    return "".join(b.get("text", "") for b in out["content"])
+
+
+def _sampled_equals_greedy(**knob):
+    def check(srv):
+        greedy = [_text(_raw(srv, max_tokens=16)) for _ in range(1)][0]
+        sampled = [_text(_raw(srv, max_tokens=16, temperature=1.0, **knob)) for _ in range(3)]
+        assert all(s == greedy for s in sampled), (greedy, sampled)
+
+    return check
+
+
+LONGER = "What is the weather in Paris, in Rome and in Oslo today?"
+MESSAGES_FIELDS = {
+    "model": lambda srv: _raw(srv, model="other")["model"] == "other" or pytest.fail(),
+    "max_tokens": lambda srv: _raw(srv, max_tokens=1)["usage"]["output_tokens"] == 1 or pytest.fail(),
+    "messages": lambda srv: (_raw(srv, messages=[{"role": "user", "content": LONGER}])["usage"]["input_tokens"]
+                             > _raw(srv)["usage"]["input_tokens"]) or pytest.fail(),
+    "system": lambda srv: (_raw(srv, system="Be brief.")["usage"]["input_tokens"]
+                           > _raw(srv)["usage"]["input_tokens"]) or pytest.fail(),
+    "stop_sequences": lambda srv: test_stop_sequences(anthropic.Anthropic(base_url=srv.url, api_key=KEY,
+                                                                          max_retries=0)),
+    "stream": lambda srv: "event: message_stop" in _raw(srv, stream=True)["events"] or pytest.fail(),
+    "temperature": lambda srv: len({_text(_raw(srv, max_tokens=16, temperature=1.0)) for _ in range(3)}) > 1
+    or pytest.fail("temperature 1 sampled the same text three times"),
+    "top_p": _sampled_equals_greedy(top_p=1e-6),
+    "top_k": _sampled_equals_greedy(top_k=1),
+    "tools": lambda srv: (_raw(srv, tools=TOOLS)["usage"]["input_tokens"] > _raw(srv)["usage"]["input_tokens"])
+    or pytest.fail(),
+    "tool_choice": lambda srv: _raw(srv, tools=TOOLS, max_tokens=96, tool_choice={"type": "any"})["stop_reason"]
+    == "tool_use" or pytest.fail(),
+    # A label (docs/api.md): accepted, no effect.
+    "metadata": lambda srv: _text(_raw(srv, metadata={"user_id": "u-1"})) == _text(_raw(srv)) or pytest.fail(),
+}
+
+
+def test_every_request_field_is_honoured_or_rejected(srv):
+    fields = _fields(srv, "MessagesRequest")
+    assert not fields - set(MESSAGES_FIELDS), f"fields without a check: {sorted(fields - set(MESSAGES_FIELDS))}"
+    failed = []
+    for name in sorted(fields):
+        try:
+            MESSAGES_FIELDS[name](srv)
+        except (AssertionError, pytest.fail.Exception) as e:
+            failed.append(f"{name}: {e}")
+    assert not failed, failed

@@ -21,7 +21,8 @@ TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
 )
 ASK = [{"role": "user", "content": "Is the sky blue?"}]
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"], "additionalProperties": False}
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+          "additionalProperties": False}
 
 
 @pytest.fixture(scope="module")

@@ -148,8 +148,8 @@ def test_two_turns_with_a_tool_result(client, model_dir):
     assert second.choices[0].finish_reason in ("stop", "length")
     # The prompt is what transformers renders from the same history (arguments as an object, as templates expect).
     tok = AutoTokenizer.from_pretrained(model_dir)
-    ref = [*ASK, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": call.function.name, "arguments": json.loads(call.function.arguments)}}]},
+    fn = {"name": call.function.name, "arguments": json.loads(call.function.arguments)}
+    ref = [*ASK, {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": fn}]},
            {"role": "tool", "content": '{"temperature": 21}'}]
     text = tok.apply_chat_template(ref, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert "<tool_response>\n{\"temperature\": 21}" in text and call.function.name in text
