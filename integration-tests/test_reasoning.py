@@ -28,7 +28,6 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required
 @pytest.fixture(scope="module")
 def think_ids(tmp_path_factory, default_model_dir):
     """(model dir, id of `</think>`)."""
-    import shutil
 
     import torch
     from tokenizers import Tokenizer
