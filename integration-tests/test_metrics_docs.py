@@ -33,6 +33,7 @@ def test_openapi_spec(server):
     spec = httpx.get(f"{server.url}/openapi.json").json()
     assert spec["openapi"].startswith("3.")
     for path in ("/generate", "/generate_stream", "/", "/v1/chat/completions", "/v1/completions", "/v1/models",
+                 "/v1/responses", "/v1/messages",
                  "/tokenize", "/health", "/info", "/metrics"):
         assert path in spec["paths"], path
     params = spec["components"]["schemas"]["GenerateParameters"]["properties"]

@@ -274,6 +274,19 @@ def _prompt_tokens_grow(**fields):
     return check
 
 
+NO_ARGS_TOOL = [{"type": "function", "function": {
+    "name": "f", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}}]
+
+
+def _parallel_tool_calls(w: Walk):
+    # EOS biased away: after a forced call, only parallel calls let the reply go on with another.
+    def calls(**more):
+        out = w(tools=NO_ARGS_TOOL, tool_choice="required", max_tokens=64, logit_bias={str(EOS): -100}, **more)
+        return len(out["choices"][0]["message"]["tool_calls"])
+
+    assert calls() >= 2 and calls(parallel_tool_calls=False) == 1
+
+
 def _seed(w: Walk):
     a, b, c = (w.text(w(temperature=1.0, seed=s, ignore_eos=True)) for s in (1, 1, 2))
     assert a == b != c
@@ -339,6 +352,9 @@ HONOURED = {
         "top_logprobs"]) == 2 or pytest.fail(),
     "tools": _prompt_tokens_grow(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     "chat_template_kwargs": _prompt_tokens_grow(chat_template_kwargs={"greeting": "Hello there, friend."}),
+    "tool_choice": lambda w: w(tools=NO_ARGS_TOOL, tool_choice="required", max_tokens=40)["choices"][0][
+        "message"]["tool_calls"][0]["function"]["name"] == "f" or pytest.fail(),
+    "parallel_tool_calls": _parallel_tool_calls,
 }
 
 

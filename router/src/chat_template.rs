@@ -14,6 +14,8 @@ use crate::error::RouterError;
 
 pub struct ChatTemplate {
     env: Environment<'static>,
+    /// The template text, for what the router infers from it (the tool-call format).
+    pub source: String,
     bos_token: String,
     eos_token: String,
 }
@@ -37,9 +39,9 @@ impl ChatTemplate {
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
         env.add_filter("tojson", tojson);
-        env.add_template_owned(NAME, source)
+        env.add_template_owned(NAME, source.clone())
             .map_err(|e| format!("the model's chat template does not compile: {e}"))?;
-        Ok(Self { env, bos_token, eos_token })
+        Ok(Self { env, source, bos_token, eos_token })
     }
 
     /// Reads the template and special tokens next to tokenizer.json.

@@ -105,6 +105,12 @@ pub struct RouterConfig {
     // local user could read it with `ps`.
     #[arg(long, env = API_KEY_ENV, hide_env_values = true)]
     pub api_key: Option<String>,
+    /// format of the model's tool calls on the chat routes (default: inferred from the chat template)
+    #[arg(long, value_enum)]
+    pub tool_call_parser: Option<crate::tools::ToolCallParser>,
+    /// split the reasoning block of reasoning models into `reasoning_content` (`think`: <think>...</think>)
+    #[arg(long, value_enum)]
+    pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
     /// largest `n` (OpenAI) / `best_of` (TGI) of one request
     #[arg(long, default_value_t = 4)]
     pub max_best_of: u32,
@@ -219,7 +225,8 @@ pub fn option_table() -> Vec<OptionInfo> {
             help: a.get_help().map(|h| h.to_string()).unwrap_or_default(),
             choices: match a.get_action() {
                 ArgAction::SetTrue | ArgAction::SetFalse => vec![], // clap's "true"/"false" are not typed by users
-                _ => a.get_possible_values().iter().map(|p| p.get_name().to_string()).collect(),
+                // Aliases too: `--reasoning-parser qwen3` is as valid as `think`.
+                _ => a.get_possible_values().iter().flat_map(|p| p.get_name_and_aliases().map(str::to_string)).collect(),
             },
             env: a.get_env().map(|e| e.to_string_lossy().into_owned()),
             launcher_sets: a.get_help_heading() == Some(LAUNCHER_SETS),
@@ -343,6 +350,8 @@ mod tests {
         assert_eq!(by("api_key").env.as_deref(), Some(API_KEY_ENV));
         assert_eq!(by("max_batch_total_tokens").default, None);
         assert!(by("cache_aware_admission").choices.is_empty());
+        assert_eq!(by("reasoning_parser").choices, ["think", "qwen3", "deepseek_r1"]);
+        assert_eq!(by("tool_call_parser").choices, ["hermes", "llama3_json", "mistral"]);
         assert!(table.iter().all(|o| !o.help.is_empty()), "every option has help");
     }
 }

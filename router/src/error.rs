@@ -1,6 +1,8 @@
 //! One error enum for the whole router, mapped to HTTP codes and bodies in
 //! one place: TGI's `{error, error_type}` everywhere, OpenAI's
-//! `{"error": {message, type, param, code}}` on the OpenAI routes.
+//! `{"error": {message, type, param, code}}` on the OpenAI routes (Chat,
+//! Completions, Responses), Anthropic's `{"type": "error", "error": {type,
+//! message}}` on `/v1/messages`.
 
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -167,6 +169,56 @@ pub async fn openai_errors(req: axum::extract::Request, next: axum::middleware::
     }
 }
 
+/// Anthropic's error body, on `/v1/messages`: `{"type": "error", "error": {"type", "message"}}`.
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct AnthropicErrorBody {
+    /// "error"
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub error: AnthropicError,
+}
+
+#[derive(Serialize, utoipa::ToSchema)]
+pub struct AnthropicError {
+    /// "invalid_request_error", "authentication_error", "not_found_error", "request_too_large",
+    /// "rate_limit_error", "api_error" or "overloaded_error".
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub message: String,
+}
+
+impl RouterError {
+    /// Anthropic's statuses: invalid input is a 400, as on the OpenAI routes.
+    pub fn anthropic_status(&self) -> StatusCode {
+        self.openai_status()
+    }
+
+    pub fn anthropic_body(&self) -> AnthropicErrorBody {
+        let kind = match self {
+            RouterError::Validation(_) | RouterError::InvalidJson(_) => "invalid_request_error",
+            RouterError::Unauthorized(_) => "authentication_error",
+            RouterError::NotFound(_) => "not_found_error",
+            RouterError::PayloadTooLarge(_) => "request_too_large",
+            RouterError::Overloaded(_) | RouterError::QueueTimeout(_) => "rate_limit_error",
+            RouterError::ShuttingDown(_) | RouterError::Unhealthy(_) => "overloaded_error",
+            RouterError::Generation(_) => "api_error",
+        };
+        AnthropicErrorBody {
+            kind: "error".into(),
+            error: AnthropicError { kind: kind.into(), message: self.to_string() },
+        }
+    }
+}
+
+/// Layer of the Anthropic routes, as `openai_errors` is of the OpenAI ones.
+pub async fn anthropic_errors(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let resp = next.run(req).await;
+    match resp.extensions().get::<RouterError>() {
+        Some(err) => (err.anthropic_status(), Json(err.anthropic_body())).into_response(),
+        None => resp,
+    }
+}
+
 impl From<tonic::Status> for RouterError {
     fn from(status: tonic::Status) -> Self {
         RouterError::Generation(format!("shard: {}", status.message()))
@@ -197,5 +249,13 @@ mod tests {
         assert!(b["error"]["param"].is_null());
         assert_eq!(RouterError::Validation("no field named".into()).param(), None);
         assert_eq!(RouterError::Validation("`a b` odd".into()).param(), None);
+    }
+
+    #[test]
+    fn anthropic_shape() {
+        let b = serde_json::to_value(RouterError::Validation("`max_tokens` bad".into()).anthropic_body()).unwrap();
+        assert_eq!(b, serde_json::json!({"type": "error", "error": {"type": "invalid_request_error", "message": "`max_tokens` bad"}}));
+        let e = RouterError::Unauthorized("no key".into());
+        assert_eq!((e.anthropic_status(), e.anthropic_body().error.kind.as_str()), (StatusCode::UNAUTHORIZED, "authentication_error"));
     }
 }

@@ -95,6 +95,39 @@ pub fn validate(g: &GrammarParam) -> Result<pb::Grammar, RouterError> {
     }
 }
 
+/// A grammar as Lark rules whose start rule is `start`, so the router can
+/// compose it (after a reasoning block). JSON keeps the shard's compact
+/// whitespace through llguidance's `x-guidance` key.
+pub fn to_lark(g: &GrammarParam) -> Result<String, RouterError> {
+    let g = validate(g)?;
+    if g.r#type == pb::GrammarType::Regex as i32 {
+        return Ok(format!("start: /{}/\n", escape_slashes(&g.value)));
+    }
+    let mut schema: serde_json::Value = if g.value.is_empty() {
+        serde_json::json!({"type": "object"})
+    } else {
+        serde_json::from_str(&g.value).map_err(|e| RouterError::Validation(format!("`grammar`: {e}")))?
+    };
+    if let Some(obj) = schema.as_object_mut() {
+        obj.entry("x-guidance").or_insert_with(crate::tools::grammar::compact);
+    }
+    Ok(format!("start: %json {schema}\n"))
+}
+
+/// A regex inside Lark's `/.../`: unescaped slashes escaped.
+fn escape_slashes(re: &str) -> String {
+    let mut out = String::with_capacity(re.len());
+    let mut escaped = false;
+    for c in re.chars() {
+        if c == '/' && !escaped {
+            out.push('\\');
+        }
+        escaped = c == '\\' && !escaped;
+        out.push(c);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -122,6 +155,13 @@ mod tests {
             let err = validate(&GrammarParam::Json(v)).unwrap_err();
             assert_eq!(err.error_type(), "validation");
         }
+    }
+
+    #[test]
+    fn lark_forms() {
+        assert_eq!(to_lark(&GrammarParam::Regex(r"a/b\/c".into())).unwrap(), "start: /a\\/b\\/c/\n");
+        let j = to_lark(&GrammarParam::Json(serde_json::json!({}))).unwrap();
+        assert!(j.starts_with(r#"start: %json {"type":"object","x-guidance":{"whitespace_flexible":false"#), "{j}");
     }
 
     #[test]

@@ -13,10 +13,12 @@ pub mod kv;
 pub mod metrics;
 pub mod proto;
 pub mod queue;
+pub mod reasoning;
 pub mod scheduler;
 pub mod state;
 pub mod stop;
 pub mod stream;
+pub mod tools;
 pub mod validation;
 #[cfg(feature = "python")]
 mod python;
@@ -169,6 +171,9 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         version: env!("CARGO_PKG_VERSION").to_string(),
         router: "pagemill".to_string(),
     };
+    let tool_format = config.tool_call_parser.unwrap_or_else(|| {
+        chat_template.as_ref().map_or(tools::ToolCallParser::Hermes, |t| tools::ToolCallParser::detect(&t.source))
+    });
     let drain_infer = infer.clone();
     let drain_state = state.clone();
     let app = AppState {
@@ -178,6 +183,8 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         client,
         chat_template: Arc::new(chat_template),
         api_key: config.api_key.as_deref().map(Arc::from),
+        tool_format,
+        reasoning_parser: config.reasoning_parser,
         started_unix: http::openai::unix_now(),
     };
     let routes = http::router(app, config.payload_limit);

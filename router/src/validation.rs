@@ -116,7 +116,13 @@ impl Validation {
         let mut params = self.check_parameters(&p)?;
         params.logit_bias = self.check_logit_bias(&p.extras.logit_bias)?;
         let stop_token_ids = self.check_token_ids("stop_token_ids", &p.extras.stop_token_ids)?;
-        let grammar = p.grammar.as_ref().map(crate::grammar::validate).transpose()?;
+        let grammar = match (&p.grammar, &p.extras.lark) {
+            (Some(_), Some(_)) => {
+                return Err(invalid("`response_format` cannot be combined with a forced `tool_choice`"))
+            }
+            (_, Some(lark)) => Some(pb::Grammar { r#type: pb::GrammarType::Lark as i32, value: lark.clone() }),
+            (g, None) => g.as_ref().map(crate::grammar::validate).transpose()?,
+        };
         let mut input_ids = match ids {
             Some(ids) => {
                 if ids.is_empty() {

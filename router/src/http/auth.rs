@@ -1,4 +1,5 @@
-//! `--api-key`: generation routes require `Authorization: Bearer <key>`;
+//! `--api-key`: generation routes require `Authorization: Bearer <key>` (or
+//! `x-api-key: <key>`, as Anthropic's clients send it);
 //! health, metrics, info and the docs stay open (probes and scrapers).
 
 use axum::extract::{Request, State};
@@ -13,16 +14,19 @@ pub async fn require_api_key(State(app): State<AppState>, req: Request, next: Ne
     let Some(key) = app.api_key.as_deref() else {
         return Ok(next.run(req).await);
     };
-    let given = req
-        .headers()
+    let headers = req.headers();
+    let bearer = headers
         .get(AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
-        .map(str::trim);
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")));
+    // Anthropic's clients send the key as `x-api-key`.
+    let given = bearer.or_else(|| headers.get("x-api-key").and_then(|v| v.to_str().ok())).map(str::trim);
     match given {
         Some(g) if constant_time_eq(g.as_bytes(), key.as_bytes()) => Ok(next.run(req).await),
         Some(_) => Err(RouterError::Unauthorized("invalid API key".into())),
-        None => Err(RouterError::Unauthorized("missing `Authorization: Bearer <api key>` header".into())),
+        None => Err(RouterError::Unauthorized(
+            "missing `Authorization: Bearer <api key>` (or `x-api-key`) header".into(),
+        )),
     }
 }
 

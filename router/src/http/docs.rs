@@ -17,6 +17,8 @@ use super::{ops, tgi};
         tgi::tokenize,
         completions::completions,
         chat::chat_completions,
+        super::responses::responses,
+        super::anthropic::messages,
         super::openai::models,
         ops::health,
         ops::info,
@@ -25,6 +27,7 @@ use super::{ops, tgi};
     tags(
         (name = "TGI", description = "Hugging Face text-generation-inference routes"),
         (name = "OpenAI", description = "OpenAI-compatible routes"),
+        (name = "Anthropic", description = "Anthropic-compatible Messages API"),
         (name = "Ops", description = "Health, info, metrics"),
     )
 )]

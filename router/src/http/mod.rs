@@ -1,10 +1,12 @@
 //! HTTP surface: routes, body extraction, auth, SSE, OpenAPI.
 
+pub mod anthropic;
 mod auth;
 mod docs;
 mod extract;
 mod headers;
 pub mod openai;
+pub mod responses;
 mod ops;
 pub mod tgi;
 pub mod types;
@@ -65,6 +67,10 @@ pub struct AppState {
     pub client: ShardedClient,
     pub chat_template: Arc<LoadedTemplate>,
     pub api_key: Option<Arc<str>>,
+    /// How tool calls are written and parsed (--tool-call-parser, or inferred from the template).
+    pub tool_format: crate::tools::ToolCallParser,
+    /// --reasoning-parser
+    pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
     /// For `/v1/models`' `created`.
     pub started_unix: u64,
 }
@@ -74,17 +80,23 @@ pub fn router(app: AppState, payload_limit: usize) -> Router {
     let openai = Router::new()
         .route("/v1/completions", post(openai::completions::completions))
         .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(openai::models))
         .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key))
         // Outside auth, so a 401 has OpenAI's shape too.
         .route_layer(middleware::from_fn(crate::error::openai_errors));
+    let anthropic = Router::new()
+        .route("/v1/messages", post(anthropic::messages))
+        .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key))
+        .route_layer(middleware::from_fn(crate::error::anthropic_errors));
     let protected = Router::new()
         .route("/", post(tgi::compat_generate))
         .route("/generate", post(tgi::generate))
         .route("/generate_stream", post(tgi::generate_stream))
         .route("/tokenize", post(tgi::tokenize))
         .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key))
-        .merge(openai);
+        .merge(openai)
+        .merge(anthropic);
     let open = Router::new()
         .route("/health", get(ops::health))
         .route("/info", get(ops::info))

@@ -121,6 +121,8 @@ mod tests {
             client: ShardedClient::disconnected(),
             chat_template: Arc::new(Err("none".into())),
             api_key: None,
+            tool_format: crate::tools::ToolCallParser::Hermes,
+            reasoning_parser: None,
             started_unix: 0,
         }
     }

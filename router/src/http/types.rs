@@ -88,6 +88,8 @@ pub struct SamplingExtras {
     pub stop_token_ids: Vec<i64>,
     /// (token id as the client wrote it, bias); checked in validation.
     pub logit_bias: Vec<(String, f32)>,
+    /// A Lark grammar the router built (forced tool calls); exclusive with `grammar`.
+    pub lark: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

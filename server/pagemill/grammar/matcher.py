@@ -103,11 +103,13 @@ class GrammarCompiler:
                 raise GrammarError(f"invalid JSON schema: {e}") from None
         elif grammar.type == pb.GRAMMAR_TYPE_REGEX:
             text = llguidance.LLMatcher.grammar_from_regex(grammar.value)
+        elif grammar.type == pb.GRAMMAR_TYPE_LARK:
+            text = llguidance.LLMatcher.grammar_from_lark(grammar.value)
         else:
             raise GrammarError(f"unknown grammar type {grammar.type}")
         matcher = llguidance.LLMatcher(self.tokenizer(), text, log_level=0)
         if matcher.is_error():
-            kind = "JSON schema" if grammar.type == pb.GRAMMAR_TYPE_JSON else "regex"
+            kind = {pb.GRAMMAR_TYPE_JSON: "JSON schema", pb.GRAMMAR_TYPE_LARK: "grammar"}.get(grammar.type, "regex")
             raise GrammarError(f"invalid {kind}: {matcher.get_error()}")
         return GrammarState(matcher)
 

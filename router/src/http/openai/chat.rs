@@ -9,13 +9,14 @@ use serde_json::Value as Json_;
 use super::stream::{self, ChoiceEvent, ChoiceMsg};
 use super::types::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatLogprobs, ChatMessage, ChatResponseMessage, ContentPart, MessageContent, Usage, ROLES,
+    ChatLogprobs, ChatMessage, ChatResponseMessage, ContentPart, MessageContent, ToolCallDelta, Usage, ROLES,
 };
+use super::prepare::{prepare, PreparedChat};
+use super::reply::{self, StreamSplitter};
 use super::{logprobs, ResponseMeta};
 use crate::error::{OpenAiErrorBody, RouterError};
 use crate::http::extract::OpenAiJson;
 use crate::http::{headers, AppState};
-use crate::infer::GenerateInput;
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())
@@ -63,7 +64,7 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Json_>, RouterError
                 obj.insert("name".into(), Json_::String(name.clone()));
             }
             if let Some(calls) = &m.tool_calls {
-                obj.insert("tool_calls".into(), calls.clone());
+                obj.insert("tool_calls".into(), crate::tools::history_tool_calls(calls));
             }
             if let Some(id) = &m.tool_call_id {
                 obj.insert("tool_call_id".into(), Json_::String(id.clone()));
@@ -79,7 +80,7 @@ pub fn render_prompt(app: &AppState, req: &ChatCompletionRequest) -> Result<Stri
     let messages = template_messages(&req.messages)?;
     let mut extra = req.chat_template_kwargs.clone().unwrap_or_default();
     if let Some(tools) = &req.tools {
-        extra.insert("tools".into(), tools.clone());
+        extra.insert("tools".into(), serde_json::to_value(tools).unwrap_or_default());
     }
     template.apply(&messages, true, extra)
 }
@@ -100,7 +101,6 @@ pub async fn chat_completions(
     State(app): State<AppState>,
     OpenAiJson(req): OpenAiJson<ChatCompletionRequest>,
 ) -> Result<Response, RouterError> {
-    let prompt = render_prompt(&app, &req)?;
     let want_logprobs = req.logprobs.unwrap_or(false);
     if req.top_logprobs.is_some() && !want_logprobs {
         return Err(invalid("`top_logprobs` requires `logprobs: true`"));
@@ -109,10 +109,7 @@ pub async fn chat_completions(
     if let Some(k) = req.top_logprobs.filter(|&k| k > max_top) {
         return Err(invalid(format!("`top_logprobs` must be <= {max_top}. Given: {k}")));
     }
-    let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
-    let parameters = req.sampling.to_parameters(max_tokens, req.top_logprobs.filter(|_| want_logprobs))?;
-    let input = GenerateInput { add_special_tokens: false, ..GenerateInput::new(prompt, parameters) };
-    let n = req.sampling.n.unwrap_or(1);
+    let PreparedChat { input, n, plan, think } = prepare(&app, &req, req.top_logprobs.filter(|_| want_logprobs))?;
     let meta = ResponseMeta::new(&app, "chatcmpl");
     let tokenizer = app.infer.validation().tokenizer().clone();
 
@@ -120,30 +117,52 @@ pub async fn chat_completions(
         let handles = app.infer.generate_streams(input, n, "n").await?;
         let prompt_tokens = handles.first().map_or(0, |h| h.request.input_ids.len() as u32);
         let chunk_meta = meta.clone();
+        let mut splitters: std::collections::HashMap<u32, StreamSplitter> = Default::default();
         let chunk = move |msg: &ChoiceMsg| {
-            let (token, top, finish) = match &msg.event {
+            let (token, top, generated) = match &msg.event {
                 ChoiceEvent::Token { token, top_tokens } => (token, top_tokens, None),
-                ChoiceEvent::End { token, top_tokens, generated } => {
-                    (token, top_tokens, Some(generated.finish_reason.openai().to_string()))
-                }
+                ChoiceEvent::End { token, top_tokens, generated } => (token, top_tokens, Some(generated)),
             };
             let logprobs = want_logprobs
                 .then(|| ChatLogprobs { content: logprobs::chat(&tokenizer, token, top).into_iter().collect() });
-            let content = if token.special { String::new() } else { token.text.clone() };
-            serde_json::to_value(chunk_of(&chunk_meta, vec![ChatChunkChoice {
-                index: msg.index,
-                delta: ChatDelta { role: "assistant".into(), content: Some(content) },
-                logprobs,
-                finish_reason: finish,
-            }], None))
-            .ok()
+            let text = if token.special { "" } else { token.text.as_str() };
+            let splitter = splitters.entry(msg.index).or_insert_with(|| StreamSplitter::new(plan.as_ref(), think));
+            let step = splitter.push(text, generated.is_some());
+            let finish = generated.map(|g| {
+                let reason = g.finish_reason.openai();
+                if splitter.made_calls() { "tool_calls".to_string() } else { reason.to_string() }
+            });
+            let choice = |delta: ChatDelta, logprobs, finish_reason| ChatChunkChoice { index: msg.index, delta, logprobs, finish_reason };
+            let delta = |content: Option<String>, tool_calls| ChatDelta {
+                role: "assistant".into(),
+                content,
+                reasoning_content: None,
+                tool_calls,
+            };
+            // The step's reasoning and text (with its logprobs), then each call it completed, then the finish.
+            let mut choices = Vec::new();
+            let reasoning = (!step.reasoning.is_empty()).then_some(step.reasoning);
+            if reasoning.is_some() || !step.content.is_empty() || logprobs.is_some()
+                || (step.tool_calls.is_empty() && finish.is_none())
+            {
+                let content = (reasoning.is_none() || !step.content.is_empty()).then_some(step.content);
+                let d = ChatDelta { reasoning_content: reasoning, ..delta(content, vec![]) };
+                choices.push(choice(d, logprobs, None));
+            }
+            for (index, call) in step.tool_calls {
+                choices.push(choice(delta(None, vec![ToolCallDelta { index, call }]), None, None));
+            }
+            if finish.is_some() {
+                choices.push(choice(delta(Some(String::new()), vec![]), None, finish));
+            }
+            choices.into_iter().map(|c| stream::chunk_event(&chunk_of(&chunk_meta, vec![c], None))).collect()
         };
         let usage = req.sampling.include_usage().then(|| {
-            Box::new(move |u: Usage| serde_json::to_value(chunk_of(&meta, vec![], Some(u))).unwrap_or_default())
+            Box::new(move |u: Usage| stream::chunk_event(&chunk_of(&meta, vec![], Some(u))))
                 as stream::UsageFn
         });
         let handles = handles.into_iter().enumerate().map(|(i, h)| (i as u32, h)).collect();
-        return Ok(stream::sse(handles, prompt_tokens, Box::new(chunk), usage));
+        return Ok(stream::sse(handles, prompt_tokens, Box::new(chunk), usage, stream::OPENAI));
     }
 
     let responses = app.infer.generate_n(input, n, "n").await?;
@@ -156,9 +175,18 @@ pub async fn chat_completions(
     let choices = responses
         .iter()
         .enumerate()
-        .map(|(i, r)| ChatChoice {
+        .map(|(i, r)| {
+            let reply = reply::split(plan.as_ref(), think, &r.generated_text.text);
+            let finish_reason = reply.finish_reason(r.generated_text.finish_reason.openai());
+            let content = (!(reply.content.is_empty() && !reply.tool_calls.is_empty())).then_some(reply.content);
+            ChatChoice {
             index: i as u32,
-            message: ChatResponseMessage { role: "assistant".into(), content: r.generated_text.text.clone() },
+            message: ChatResponseMessage {
+                role: "assistant".into(),
+                content,
+                reasoning_content: reply.reasoning,
+                tool_calls: reply.tool_calls,
+            },
             logprobs: want_logprobs.then(|| ChatLogprobs {
                 content: r
                     .tokens
@@ -169,8 +197,8 @@ pub async fn chat_completions(
                     })
                     .collect(),
             }),
-            finish_reason: r.generated_text.finish_reason.openai().to_string(),
-        })
+            finish_reason,
+        }})
         .collect();
     let body = ChatCompletionResponse {
         id: meta.id,

@@ -108,13 +108,13 @@ pub async fn completions(
             let logprobs = want_logprobs
                 .then(|| logprobs::completion(&tokenizer, std::slice::from_ref(token), std::slice::from_ref(top), 0));
             let choice = CompletionChoice { index: msg.index, text, logprobs, prompt_logprobs: None, finish_reason: finish };
-            serde_json::to_value(response_of(&chunk_meta, vec![choice], None)).ok()
+            vec![stream::chunk_event(&response_of(&chunk_meta, vec![choice], None))]
         };
         let usage = req.sampling.include_usage().then(|| {
-            Box::new(move |u: Usage| serde_json::to_value(response_of(&meta, vec![], Some(u))).unwrap_or_default())
+            Box::new(move |u: Usage| stream::chunk_event(&response_of(&meta, vec![], Some(u))))
                 as stream::UsageFn
         });
-        return Ok(stream::sse(handles, prompt_tokens, Box::new(chunk), usage));
+        return Ok(stream::sse(handles, prompt_tokens, Box::new(chunk), usage, stream::OPENAI));
     }
 
     let per_prompt = futures::future::try_join_all(prompts.iter().map(|p| app.infer.generate_n(inputs(p), n, "n"))).await?;

@@ -5,7 +5,9 @@
 pub mod chat;
 pub mod completions;
 mod logprobs;
-mod stream;
+pub mod prepare;
+pub mod reply;
+pub mod stream;
 pub mod types;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -89,6 +91,7 @@ impl SamplingParams {
                 min_new_tokens: self.min_tokens,
                 stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
                 logit_bias: self.logit_bias.iter().flatten().map(|(k, v)| (k.clone(), *v)).collect(),
+                lark: None,
             },
             ..Default::default()
         })

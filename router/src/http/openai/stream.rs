@@ -28,10 +28,30 @@ pub struct ChoiceMsg {
     pub event: ChoiceEvent,
 }
 
-/// Builds the JSON chunk for a step (None: send nothing for it).
-pub type ChunkFn = Box<dyn FnMut(&ChoiceMsg) -> Option<serde_json::Value> + Send>;
-/// Builds the final usage chunk.
-pub type UsageFn = Box<dyn FnOnce(Usage) -> serde_json::Value + Send>;
+/// Builds the events of a step (none, one, or several: a finished tool call
+/// may go out with the step's text).
+pub type ChunkFn = Box<dyn FnMut(&ChoiceMsg) -> Vec<Event> + Send>;
+/// Builds the final usage event.
+pub type UsageFn = Box<dyn FnOnce(Usage) -> Event + Send>;
+
+/// What differs between the APIs' streams besides their events: the error
+/// event, and whether `data: [DONE]` ends the stream (OpenAI's Chat and Completions).
+#[derive(Clone, Copy)]
+pub struct Framing {
+    pub error: fn(&RouterError) -> Event,
+    pub done: bool,
+}
+
+fn openai_error(e: &RouterError) -> Event {
+    json_event(&e.openai_body())
+}
+
+pub const OPENAI: Framing = Framing { error: openai_error, done: true };
+
+/// One JSON chunk as an SSE event.
+pub fn chunk_event(v: &impl serde::Serialize) -> Event {
+    json_event(v)
+}
 
 fn choice_stream(index: u32, handle: StreamHandle) -> BoxStream<'static, Result<ChoiceMsg, RouterError>> {
     stream::unfold(Some(handle), move |h| async move {
@@ -64,6 +84,8 @@ enum Phase {
 }
 
 struct State {
+    pending: std::collections::VecDeque<Event>,
+    framing: Framing,
     merged: SelectAll<BoxStream<'static, Result<ChoiceMsg, RouterError>>>,
     chunk: ChunkFn,
     usage: Option<UsageFn>,
@@ -73,32 +95,45 @@ struct State {
 }
 
 /// `handles` are (choice index, stream); `prompt_tokens` counts each prompt once.
-pub fn sse(handles: Vec<(u32, StreamHandle)>, prompt_tokens: u32, chunk: ChunkFn, usage: Option<UsageFn>) -> Response {
+pub fn sse(
+    handles: Vec<(u32, StreamHandle)>,
+    prompt_tokens: u32,
+    chunk: ChunkFn,
+    usage: Option<UsageFn>,
+    framing: Framing,
+) -> Response {
     let merged = stream::select_all(handles.into_iter().map(|(i, h)| choice_stream(i, h)));
-    let st = State { merged, chunk, usage, prompt_tokens, completion_tokens: 0, phase: Phase::Choices };
+    let st = State { pending: Default::default(), framing, merged, chunk, usage, prompt_tokens, completion_tokens: 0, phase: Phase::Choices };
     let events = stream::unfold(st, |mut st| async move {
         loop {
+            if let Some(e) = st.pending.pop_front() {
+                return Some((e, st));
+            }
             match st.phase {
                 Phase::Choices => match st.merged.next().await {
-                    None => st.phase = if st.usage.is_some() { Phase::Usage } else { Phase::Done },
+                    None => {
+                        st.phase = match (st.usage.is_some(), st.framing.done) {
+                            (true, _) => Phase::Usage,
+                            (false, true) => Phase::Done,
+                            (false, false) => Phase::Over,
+                        }
+                    }
                     Some(Err(e)) => {
                         st.phase = Phase::Over;
-                        return Some((json_event(&e.openai_body()), st));
+                        return Some(((st.framing.error)(&e), st));
                     }
                     Some(Ok(msg)) => {
                         if let ChoiceEvent::End { generated, .. } = &msg.event {
                             st.completion_tokens += generated.generated_tokens;
                         }
-                        if let Some(v) = (st.chunk)(&msg) {
-                            return Some((json_event(&v), st));
-                        }
+                        let chunks = (st.chunk)(&msg);
+                        st.pending.extend(chunks);
                     }
                 },
                 Phase::Usage => {
-                    st.phase = Phase::Done;
+                    st.phase = if st.framing.done { Phase::Done } else { Phase::Over };
                     if let Some(f) = st.usage.take() {
-                        let v = f(Usage::new(st.prompt_tokens, st.completion_tokens));
-                        return Some((json_event(&v), st));
+                        return Some((f(Usage::new(st.prompt_tokens, st.completion_tokens)), st));
                     }
                 }
                 Phase::Done => {

@@ -10,6 +10,7 @@ use utoipa::ToSchema;
 
 use crate::grammar::ResponseFormat;
 use crate::http::types::null_default;
+use crate::tools::{Tool, ToolChoice};
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(untagged)]
@@ -98,7 +99,8 @@ impl OpenAiBody for CompletionRequest {
 
 impl OpenAiBody for ChatCompletionRequest {
     const FIELDS: &'static [&'static str] =
-        &["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "chat_template_kwargs"];
+        &["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
+          "chat_template_kwargs"];
 }
 
 /// `/v1/completions`' prompt: text, texts, token ids, or lists of token ids
@@ -185,8 +187,14 @@ pub struct ChatCompletionRequest {
     pub logprobs: Option<bool>,
     /// With `logprobs`: this many alternatives per token.
     pub top_logprobs: Option<u32>,
-    /// Passed to the chat template as `tools` (no tool-call parsing).
-    pub tools: Option<serde_json::Value>,
+    /// Function tools: passed to the chat template, and calls to them parsed
+    /// from the reply into `message.tool_calls` (format: `--tool-call-parser`).
+    pub tools: Option<Vec<Tool>>,
+    /// "auto" (default with tools): calls parsed from free text; "none": not parsed;
+    /// "required" or `{"type": "function", "function": {"name": ...}}`: forced by a grammar.
+    pub tool_choice: Option<ToolChoice>,
+    /// More than one call per reply (default true).
+    pub parallel_tool_calls: Option<bool>,
     /// Extra variables for the chat template (vLLM's extension).
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
 }
@@ -261,7 +269,37 @@ pub struct ChatLogprobs {
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ChatResponseMessage {
     pub role: String,
-    pub content: String,
+    /// `null` when the reply is only tool calls.
+    pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallOut>,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct FunctionCallOut {
+    pub name: String,
+    /// The arguments as JSON text.
+    pub arguments: String,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ToolCallOut {
+    /// `call_...`
+    pub id: String,
+    /// "function"
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionCallOut,
+}
+
+/// A tool call in a stream chunk: sent whole, in one delta.
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct ToolCallDelta {
+    pub index: u32,
+    #[serde(flatten)]
+    pub call: ToolCallOut,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
@@ -289,6 +327,10 @@ pub struct ChatDelta {
     pub role: String,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub content: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<ToolCallDelta>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

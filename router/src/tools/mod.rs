@@ -1,0 +1,248 @@
+//! Tool calling: the function tools of a chat request, the text formats
+//! model families emit calls in, and how a call is found in (or forced on)
+//! the model's output.
+//!
+//! Parsing is per format (`parse`, `stream`); forcing (`tool_choice`
+//! "required" or a named function) is a Lark grammar the shard enforces
+//! with llguidance (`grammar`), written in the same format so the same
+//! parser reads it back.
+
+pub mod grammar;
+pub mod parse;
+pub mod stream;
+
+use rand::distr::{Alphanumeric, SampleString};
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+use crate::error::RouterError;
+
+/// The formats a model may emit tool calls in (`--tool-call-parser`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallParser {
+    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Hermes, Qwen 2.5/3).
+    Hermes,
+    /// The whole reply is `{"name": ..., "parameters": {...}}` (Llama 3.1-3.3), calls joined by `;`.
+    #[value(name = "llama3_json")]
+    #[serde(rename = "llama3_json")]
+    Llama3Json,
+    /// `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral).
+    Mistral,
+}
+
+impl ToolCallParser {
+    /// The format a chat template renders tool calls in, judged by the
+    /// markers it writes; Hermes (the most common) when it shows none.
+    pub fn detect(template_source: &str) -> Self {
+        if template_source.contains("[TOOL_CALLS]") {
+            ToolCallParser::Mistral
+        } else if template_source.contains("<tool_call>") {
+            ToolCallParser::Hermes
+        } else if template_source.contains("<|python_tag|>") || template_source.contains("ipython") {
+            ToolCallParser::Llama3Json
+        } else {
+            ToolCallParser::Hermes
+        }
+    }
+}
+
+/// One entry of `tools`: only function tools exist in the chat API.
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Tool {
+    /// "function"
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: FunctionDef,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct FunctionDef {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// JSON schema of the arguments object; absent means no arguments constraint.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parameters: Option<serde_json::Value>,
+    /// Accepted: arguments of forced calls always follow the schema given here.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub strict: Option<bool>,
+}
+
+/// `tool_choice`: "none", "auto", "required", or `{"type": "function", "function": {"name": ...}}`.
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(untagged)]
+pub enum ToolChoice {
+    Mode(String),
+    Named(NamedToolChoice),
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NamedToolChoice {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub function: NamedFunction,
+}
+
+#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct NamedFunction {
+    pub name: String,
+}
+
+/// What a request asks of tool calling, validated.
+#[derive(Debug, Clone)]
+pub struct ToolPlan {
+    pub format: ToolCallParser,
+    pub tools: Vec<Tool>,
+    /// Parse the output for calls ("auto", "required", named).
+    pub parse: bool,
+    /// Force calls with a grammar: all tools ("required") or one (named).
+    pub force: Option<Vec<Tool>>,
+    /// More than one call per reply.
+    pub parallel: bool,
+}
+
+impl ToolPlan {
+    /// None when the request has no tools, or tool_choice "none" (tools still reach the template).
+    pub fn new(
+        format: ToolCallParser,
+        tools: Option<&[Tool]>,
+        choice: Option<&ToolChoice>,
+        parallel: Option<bool>,
+    ) -> Result<Option<Self>, RouterError> {
+        let invalid = |m: String| RouterError::Validation(m);
+        let tools = tools.unwrap_or_default();
+        for (i, t) in tools.iter().enumerate() {
+            if t.kind != "function" {
+                return Err(invalid(format!("`tools[{i}].type` must be \"function\", got {:?}", t.kind)));
+            }
+            if t.function.name.is_empty() {
+                return Err(invalid(format!("`tools[{i}].function.name` must not be empty")));
+            }
+            if let Some(p) = &t.function.parameters {
+                if !p.is_object() {
+                    return Err(invalid(format!("`tools[{i}].function.parameters` must be a JSON schema object")));
+                }
+            }
+        }
+        let force = match choice {
+            None => None,
+            Some(ToolChoice::Mode(m)) => match m.as_str() {
+                "none" => return Ok(None),
+                "auto" => None,
+                "required" => Some(tools.to_vec()),
+                other => {
+                    return Err(invalid(format!(
+                        "`tool_choice` must be \"none\", \"auto\", \"required\" or a named function; got {other:?}"
+                    )))
+                }
+            },
+            Some(ToolChoice::Named(n)) => {
+                if n.kind != "function" {
+                    return Err(invalid(format!("`tool_choice.type` must be \"function\", got {:?}", n.kind)));
+                }
+                let Some(t) = tools.iter().find(|t| t.function.name == n.function.name) else {
+                    return Err(invalid(format!(
+                        "`tool_choice.function.name` {:?} is not one of `tools`",
+                        n.function.name
+                    )));
+                };
+                Some(vec![t.clone()])
+            }
+        };
+        if tools.is_empty() {
+            if force.is_some() {
+                return Err(invalid("`tool_choice` requires `tools`".into()));
+            }
+            return Ok(None);
+        }
+        Ok(Some(Self { format, tools: tools.to_vec(), parse: true, force, parallel: parallel.unwrap_or(true) }))
+    }
+
+    pub fn names(&self) -> Vec<&str> {
+        self.tools.iter().map(|t| t.function.name.as_str()).collect()
+    }
+}
+
+/// A call found in the output. `arguments` is JSON text (OpenAI sends it as a string).
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub name: String,
+    pub arguments: String,
+}
+
+/// `call_` and 24 random characters, as OpenAI's ids look.
+pub fn call_id() -> String {
+    format!("call_{}", Alphanumeric.sample_string(&mut rand::rng(), 24))
+}
+
+/// Tool calls of an assistant message in the history, as chat templates
+/// expect them: `arguments` as an object (OpenAI clients send a JSON string).
+pub fn history_tool_calls(calls: &serde_json::Value) -> serde_json::Value {
+    let mut calls = calls.clone();
+    if let Some(list) = calls.as_array_mut() {
+        for c in list {
+            if let Some(args) = c.pointer_mut("/function/arguments") {
+                if let Some(parsed) = args.as_str().and_then(|s| serde_json::from_str::<serde_json::Value>(s).ok()) {
+                    *args = parsed;
+                }
+            }
+        }
+    }
+    calls
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tools() -> Vec<Tool> {
+        serde_json::from_value(serde_json::json!([
+            {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}},
+            {"type": "function", "function": {"name": "add"}}
+        ]))
+        .unwrap()
+    }
+
+    #[test]
+    fn detects_the_format_from_the_template() {
+        assert_eq!(ToolCallParser::detect("{{ '<tool_call>' }}"), ToolCallParser::Hermes);
+        assert_eq!(ToolCallParser::detect("[TOOL_CALLS] {{ x }}"), ToolCallParser::Mistral);
+        assert_eq!(ToolCallParser::detect("<|python_tag|>"), ToolCallParser::Llama3Json);
+        assert_eq!(ToolCallParser::detect("plain"), ToolCallParser::Hermes);
+    }
+
+    #[test]
+    fn tool_choice_modes() {
+        let t = tools();
+        let h = ToolCallParser::Hermes;
+        let plan = |c: serde_json::Value| {
+            let c: ToolChoice = serde_json::from_value(c).unwrap();
+            ToolPlan::new(h, Some(&t), Some(&c), None)
+        };
+        assert!(plan(serde_json::json!("none")).unwrap().is_none());
+        let auto = plan(serde_json::json!("auto")).unwrap().unwrap();
+        assert!(auto.force.is_none() && auto.parse && auto.parallel);
+        assert_eq!(plan(serde_json::json!("required")).unwrap().unwrap().force.unwrap().len(), 2);
+        let named = plan(serde_json::json!({"type": "function", "function": {"name": "add"}})).unwrap().unwrap();
+        assert_eq!(named.force.unwrap()[0].function.name, "add");
+        let e = plan(serde_json::json!({"type": "function", "function": {"name": "nope"}})).unwrap_err();
+        assert_eq!(e.param().as_deref(), Some("tool_choice.function.name"));
+        assert!(plan(serde_json::json!("sometimes")).is_err());
+        let none: ToolChoice = serde_json::from_value(serde_json::json!("required")).unwrap();
+        assert!(ToolPlan::new(h, None, Some(&none), None).is_err());
+    }
+
+    #[test]
+    fn history_arguments_become_objects() {
+        let calls = serde_json::json!([{"id": "call_1", "type": "function",
+            "function": {"name": "f", "arguments": "{\"a\": 1}"}}]);
+        let out = history_tool_calls(&calls);
+        assert_eq!(out[0]["function"]["arguments"], serde_json::json!({"a": 1}));
+        assert!(call_id().starts_with("call_") && call_id().len() == 29);
+    }
+}
