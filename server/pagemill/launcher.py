@@ -228,8 +228,14 @@ def launch(args: argparse.Namespace) -> int:
     launcher = Launcher(args)
 
     def on_signal(signum, _frame):
-        print(f"\npagemill: received {signal.Signals(signum).name}, shutting down", file=sys.stderr, flush=True)
+        # Stop first: the message is a courtesy. A handler that runs while this
+        # thread is itself writing to stderr gets "reentrant call" from print,
+        # which must not cost the shutdown (seen as a launcher that ignored SIGTERM).
         launcher.stopping.set()
+        try:
+            print(f"\npagemill: received {signal.Signals(signum).name}, shutting down", file=sys.stderr, flush=True)
+        except (RuntimeError, OSError, ValueError):
+            pass
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
