@@ -73,7 +73,8 @@ extern "C" {
 int pagemill_greedy(const void* logits, int bf16_logits, int64_t rows, int64_t V, int64_t stride, int64_t* ids,
                     float* logprobs, int threads) {
   int failed = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : failed)
+  // One thread for small batches (a shared core makes a barrier cost more than the pass).
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(max : failed) if (rows * V >= (1 << 21))
   for (int64_t r = 0; r < rows; ++r) {
     const bool ok = bf16_logits ? greedy_row((const bf16*)logits + r * stride, V, ids + r, logprobs + r)
                                 : greedy_row((const float*)logits + r * stride, V, ids + r, logprobs + r);
