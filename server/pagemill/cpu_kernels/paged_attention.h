@@ -182,7 +182,10 @@ inline void group_scores(const float* q, int64_t q_stride, int64_t group, const 
 // s[t] = e^(s[t] - max s) over len; returns the sum.
 inline float exp_shifted(float* s, int64_t len) {
   __m512 m = _mm512_set1_ps(-INFINITY);
-  for (int64_t t = 0; t < len; t += 16) m = _mm512_mask_max_ps(m, first(len - t), _mm512_loadu_ps(s + t), m);
+  for (int64_t t = 0; t < len; t += 16) {  // masked: the row may end at the end of its page
+    const __mmask16 k = first(len - t);
+    m = _mm512_mask_max_ps(m, k, _mm512_maskz_loadu_ps(k, s + t), m);
+  }
   const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; t += 16) {

@@ -149,11 +149,17 @@ pub async fn chat_completions(
                 let d = ChatDelta { reasoning_content: reasoning, ..delta(content, vec![]) };
                 choices.push(choice(d, logprobs, None));
             }
+            let no_calls = step.tool_calls.is_empty();
             for (index, call) in step.tool_calls {
                 choices.push(choice(delta(None, vec![ToolCallDelta { index, call }]), None, None));
             }
-            if finish.is_some() {
-                choices.push(choice(delta(Some(String::new()), vec![]), None, finish));
+            // One chunk per token: the last token's text carries the finish
+            // (clients count chunks); a separate chunk only after tool calls or for no text.
+            if let Some(reason) = finish {
+                match choices.last_mut() {
+                    Some(last) if no_calls => last.finish_reason = Some(reason),
+                    _ => choices.push(choice(delta(Some(String::new()), vec![]), None, Some(reason))),
+                }
             }
             choices.into_iter().map(|c| stream::chunk_event(&chunk_of(&chunk_meta, vec![c], None))).collect()
         };
