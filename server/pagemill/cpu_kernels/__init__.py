@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
-            _DIR / "norm.cpp"]
+            _DIR / "norm.cpp", _DIR / "elementwise.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
@@ -168,6 +168,49 @@ class NormKernel:
         self._fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), eps, out.data_ptr(),
                  torch.get_num_threads())  # fmt: skip
         return out
+
+
+class ElementwiseKernels:
+    """elementwise.cpp: SwiGLU's silu(gate) * up and rotary embedding of bfloat16 rows, with
+    Hugging Face's bf16 roundings, one pass each."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._silu_mul = lib.pagemill_silu_mul_bf16
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [vp, i64, i64, i64, vp, ctypes.c_int]
+        self._rotary = lib.pagemill_rotary_bf16
+        self._rotary.restype = None
+        self._rotary.argtypes = [vp, i64, i64, i64, i64, vp, vp, vp, ctypes.c_int]
+
+    @staticmethod
+    def applies(x: torch.Tensor) -> bool:
+        return x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.stride(-1) == 1
+
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, 2n] bf16 (gate then up, unit stride in the last dim) -> silu(gate) * up [N, n]."""
+        rows, n = x.shape[0], x.shape[1] // 2
+        out = torch.empty((rows, n), dtype=x.dtype)
+        self._silu_mul(x.data_ptr(), rows, n, x.stride(0), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def rotary(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, D] bf16 with heads D apart (any token stride), cos/sin [T, D] bf16 -> the
+        rotated heads [T, heads, D], contiguous (layers.apply_rotary's arithmetic)."""
+        t, heads, d = x.shape
+        if x.stride(1) != d or cos.shape != (t, d) or sin.shape != (t, d):
+            raise ValueError(f"rotary kernel: unexpected layout {tuple(x.stride())} / {tuple(cos.shape)}")
+        cos, sin = cos.contiguous(), sin.contiguous()
+        out = torch.empty((t, heads, d), dtype=x.dtype)
+        self._rotary(x.data_ptr(), t, heads, d, x.stride(0), cos.data_ptr(), sin.data_ptr(), out.data_ptr(),
+                     torch.get_num_threads())  # fmt: skip
+        return out
+
+
+def elementwise_kernels() -> ElementwiseKernels | None:
+    """The process-wide element-wise kernels; None where unavailable."""
+    lib = _library()
+    return None if lib is None else _wrapper("elementwise", ElementwiseKernels, lib)
 
 
 def norm_kernel() -> NormKernel | None:

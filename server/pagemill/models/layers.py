@@ -121,13 +121,20 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, heads, head_dim]; cos/sin [T, head_dim] (HF's rotate_half convention)."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels=None) -> torch.Tensor:
+    """x [T, heads, head_dim]; cos/sin [T, head_dim] (HF's rotate_half convention).
+    kernels: cpu_kernels.ElementwiseKernels, used for bf16 CPU rows in their layout (same roundings)."""
+    if kernels is not None and kernels.applies(x) and x.stride(1) == x.shape[2] and cos.dtype == x.dtype \
+            and cos.shape == (x.shape[0], x.shape[2]):
+        return kernels.rotary(x, cos, sin)
     cos, sin = cos[:, None, :], sin[:, None, :]
     return x * cos + rotate_half(x) * sin
 
 
 class MLP(nn.Module):
+    # cpu_kernels.ElementwiseKernels for bf16 rows on the CPU (silu(gate) * up in one pass), set by pack_weights
+    kernels = None
+
     def __init__(
         self, config: ModelConfig, intermediate: Range | None = None, group: ParallelGroup | None = None
     ) -> None:
@@ -143,5 +150,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(i, h, bias, group or ParallelGroup.single())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.kernels is not None and gate_up.dim() == 2 and self.kernels.applies(gate_up):
+            return self.down_proj(self.kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

@@ -71,6 +71,7 @@ class Attention(nn.Module):
         # This layer's sliding window (None: global); the model sets it from config.layer_windows.
         self.sliding_window: int | None = None
         self.softcap: float | None = None  # attention-logit cap (Gemma 2)
+        self.kernels = None  # cpu_kernels.ElementwiseKernels (bf16 rotary on the CPU), set by pack_weights
         self.backend = backend
         h, bias = config.hidden_size, config.attention_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -85,7 +86,7 @@ class Attention(nn.Module):
         t = x.shape[0]
         qkv = self.qkv_proj(x).view(t, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         # q and k heads are adjacent in the fused output: one rotary for both.
-        qk = apply_rotary(self.before_rotary(qkv[:, : self.num_heads + self.num_kv_heads]), cos, sin)
+        qk = apply_rotary(self.before_rotary(qkv[:, : self.num_heads + self.num_kv_heads]), cos, sin, self.kernels)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.num_heads + self.num_kv_heads :]
         k_cache, v_cache = kv_cache
@@ -192,15 +193,20 @@ class LlamaForCausalLM(nn.Module):
         single-token fused decode (see fused_decode); call after loading."""
         n = pack_all(self, cpu_kernels)
         self.model.fused = None
-        norm = None
+        norm = elementwise = None
         if cpu_kernels:
-            from pagemill.cpu_kernels import decode_kernels, norm_kernel
+            from pagemill.cpu_kernels import decode_kernels, elementwise_kernels, norm_kernel
 
             self.model.fused = FusedDecoder.build(self, decode_kernels())
-            norm = norm_kernel() if self.model.embed_tokens.weight.device.type == "cpu" else None
+            if self.model.embed_tokens.weight.device.type == "cpu":
+                norm, elementwise = norm_kernel(), elementwise_kernels()
         for m in self.modules():
             if type(m) is RMSNorm:  # subclasses (other norms) compute their own way
                 m.kernel = norm
+            elif type(m) is MLP:  # subclasses (GeGLU) have their own activation
+                m.kernels = elementwise
+            elif isinstance(m, Attention):
+                m.kernels = elementwise
         return n
 
     @property
