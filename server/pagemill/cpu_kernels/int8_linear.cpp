@@ -74,7 +74,38 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's .
 // v <- H v for each block of `b` (a power of two) floats, H the unnormalized
 // Walsh-Hadamard matrix, by butterflies (quantized_linear.fwht_rows does the
 // same additions in the same order, so the results agree to the bit).
+#if defined(__AVX512F__)
+// Stages h = 1, 2, 4, 8 inside each 16-float vector: lane j pairs with lane j ^ h; the lower of
+// the two gets p + q, the upper q' - p' written as (partner - self), the same two operations.
+inline __m512 butterfly_in_vector(__m512 v, int h) {
+  const __m512i idx = _mm512_xor_si512(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                       _mm512_set1_epi32(h));
+  const __m512 partner = _mm512_permutexvar_ps(idx, v);
+  __mmask16 upper = 0;
+  for (int j = 0; j < 16; ++j) upper |= (__mmask16)(((j & h) ? 1u : 0u) << j);
+  return _mm512_mask_sub_ps(_mm512_add_ps(v, partner), upper, partner, v);
+}
+#endif
+
 void fwht_blocks(float* v, int64_t K, int64_t b) {
+#if defined(__AVX512F__)
+  if (b % 16 == 0) {  // the same additions in the same order, 16 lanes at a time
+    for (int64_t i = 0; i < K; i += 16) {
+      __m512 x = _mm512_loadu_ps(v + i);
+      for (int h = 1; h < 16; h *= 2) x = butterfly_in_vector(x, h);
+      _mm512_storeu_ps(v + i, x);
+    }
+    for (int64_t base = 0; base < K; base += b)
+      for (int64_t h = 16; h < b; h *= 2)
+        for (int64_t i = base; i < base + b; i += 2 * h)
+          for (int64_t j = i; j < i + h; j += 16) {
+            const __m512 p = _mm512_loadu_ps(v + j), q = _mm512_loadu_ps(v + j + h);
+            _mm512_storeu_ps(v + j, _mm512_add_ps(p, q));
+            _mm512_storeu_ps(v + j + h, _mm512_sub_ps(p, q));
+          }
+    return;
+  }
+#endif
   for (int64_t base = 0; base < K; base += b)
     for (int64_t h = 1; h < b; h *= 2)
       for (int64_t i = base; i < base + b; i += 2 * h)
@@ -84,6 +115,31 @@ void fwht_blocks(float* v, int64_t K, int64_t b) {
           v[j + h] = p - q;
         }
 }
+
+#if defined(__AVX512F__)
+// quantize_row's scaling and rounding, 16 at a time (the same operations per element).
+float quantize_row_avx512(const float* xf, int64_t K, int64_t Kp, uint8_t* xu) {
+  __m512 mx = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xf + k)));
+  float amax = _mm512_reduce_max_ps(mx);
+  for (int64_t k = 0; k < K; ++k)  // max_ps drops NaN: find one the way the scalar loop's test does
+    if (xf[k] != xf[k]) amax = NAN;
+  if (!(amax > 0.f) || !isfinite(amax)) {
+    for (int64_t k = 0; k < Kp; ++k) xu[k] = 128;
+    return amax > 0.f ? NAN : 0.f;
+  }
+  const __m512 inv = _mm512_set1_ps(127.f / amax), lim = _mm512_set1_ps(127.f);
+  for (int64_t k = 0; k < K; k += 16) {
+    __m512 q = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xf + k), inv),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_sub_ps(_mm512_setzero_ps(), lim)), lim);
+    const __m512i u = _mm512_add_epi32(_mm512_cvtps_epi32(q), _mm512_set1_epi32(128));
+    _mm_storeu_si128((__m128i*)(xu + k), _mm512_cvtepi32_epi8(u));
+  }
+  for (int64_t k = K; k < Kp; ++k) xu[k] = 128;
+  return amax / 127.f;
+}
+#endif
 
 // One row of activations -> xu (offset by 128, K padded to Kp with the
 // offset, i.e. xq = 0) and its scale. Returns x_scale. rotate > 0: the row
@@ -102,6 +158,9 @@ float quantize_row(const void* x, bool bf16, int64_t K, int64_t Kp, int64_t rota
     xf = (const float*)x;
   }
   if (rotate > 0) fwht_blocks(tmp, K, rotate);
+#if defined(__AVX512F__)
+  if (K % 16 == 0) return quantize_row_avx512(xf, K, Kp, xu);
+#endif
   float amax = 0.f;
   for (int64_t k = 0; k < K; ++k) amax = fmaxf(amax, fabsf(xf[k]));
   if (!(amax > 0.f) || !isfinite(amax)) {
@@ -148,7 +207,16 @@ inline float epilogue(const Args& a, int64_t m, int64_t n, int32_t acc) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// Rows [m0, m0+MR) x blocks [b0, b0+NB).
+// 16 floats -> bf16, rounding to nearest even with NaN kept quiet: float_to_bf16 on each lane.
+inline __m256i narrow_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 // Rows [m0, m0+MR) x blocks [b0, b0+NB). The accumulators must live in
 // registers: GCC 12 keeps them on the stack (a store and a load around every
 // vpdpbusd) unless the constant loops are unrolled early (the pragmas) and
@@ -191,10 +259,8 @@ void tile(const Args& a, int64_t m0, int64_t b0) {
     for (int m = 0; m < MR; ++m) {
       const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[m][j]), corr));
       const __m512 r = _mm512_fmadd_ps(v, _mm512_mul_ps(_mm512_set1_ps(a.x_scale[m0 + m]), ws), bias);
-      if (a.bf16) {
-        alignas(64) float tmp[kBlock];
-        _mm512_store_ps(tmp, r);
-        for (int64_t i = 0; i < valid; ++i) store(a, m0 + m, n + i, tmp[i]);
+      if (a.bf16) {  // narrowed 16 at a time (a scalar loop here cost as much as the products at 64 rows)
+        _mm256_mask_storeu_epi16((uint16_t*)a.y + (m0 + m) * a.N + n, mask, narrow_bf16(r));
       } else {
         _mm512_mask_storeu_ps((float*)a.y + (m0 + m) * a.N + n, mask, r);
       }
