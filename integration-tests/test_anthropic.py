@@ -83,7 +83,11 @@ def test_forced_tool_use_plain_and_streamed(client):
     assert uses[0].id.startswith("toolu_")
     jsonschema.validate(uses[0].input, SCHEMAS["get_weather"])
     with client.messages.stream(**args) as s:
+        fragments = [e.delta.partial_json for e in s
+                     if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
         final = s.get_final_message()
+    # The input arrives as it is generated, in fragments the client joins.
+    assert len(fragments) > 3 and json.loads("".join(fragments)) == uses[0].input
     streamed = [b for b in final.content if b.type == "tool_use"]
     assert [(b.name, b.input) for b in streamed] == [(b.name, b.input) for b in uses]
     assert final.stop_reason == "tool_use"
