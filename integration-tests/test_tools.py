@@ -122,11 +122,19 @@ def test_streamed_calls_match_the_plain_ones(client):
                 calls[d.index]["arguments"] += d.function.arguments
                 fragments[d.index] = fragments.get(d.index, 0) + 1
             finish = choice.finish_reason or finish
-    assert finish == "tool_calls"
-    assert [(c["name"], json.loads(c["arguments"])) for _, c in sorted(calls.items())] == [
+    streamed = [c for _, c in sorted(calls.items())]
+    # finish_reason "length" says the last call was cut short.
+    assert finish == ("tool_calls" if len(streamed) == len(plain) else "length")
+    # Random weights go on calling until max_tokens cuts a call short. The plain reply returns that
+    # text as content; the stream had already sent the call, which keeps the arguments it got.
+    assert len(streamed) in (len(plain), len(plain) + 1), (streamed, plain)
+    assert [(c["name"], json.loads(c["arguments"])) for c in streamed[: len(plain)]] == [
         (c.function.name, json.loads(c.function.arguments)) for c in plain]
+    if len(streamed) > len(plain):
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(streamed[-1]["arguments"])
     # The arguments arrive as they are generated (about a token a chunk), not whole at the end.
-    assert all(n > 3 for n in fragments.values()) and len(fragments) == len(calls), fragments
+    assert all(n > 3 for n in list(fragments.values())[: len(plain)]) and len(fragments) == len(calls), fragments
 
 
 def test_parallel_tool_calls(client):

@@ -30,11 +30,12 @@ pub struct ToolStreamer {
     text: String,
     sent: Vec<Sent>,
     calls: u32,
+    cut_off: bool,
 }
 
 impl ToolStreamer {
     pub fn new(format: ToolCallParser, names: &[&str]) -> Self {
-        Self { format, names: names.iter().map(|s| s.to_string()).collect(), text: String::new(), sent: vec![], calls: 0 }
+        Self { format, names: names.iter().map(|s| s.to_string()).collect(), text: String::new(), sent: vec![], calls: 0, cut_off: false }
     }
 
     pub fn push(&mut self, delta: &str) -> Vec<Piece> {
@@ -48,10 +49,16 @@ impl ToolStreamer {
         for s in &mut self.sent {
             if let Sent::Call { index, ended: ended @ false, .. } = s {
                 *ended = true;
+                self.cut_off = true;
                 out.push(Piece::CallEnd { index: *index });
             }
         }
         out
+    }
+
+    /// Whether the reply ended inside a call's arguments (the call was sent with what it got).
+    pub fn cut_off(&self) -> bool {
+        self.cut_off
     }
 
     fn diff(&mut self, fin: bool) -> Vec<Piece> {

@@ -134,7 +134,7 @@ fn arguments_stream_as_they_are_generated() {
     assert_eq!(starts, [&Piece::CallStart { index: 0, name: "get_weather".into() }, &Piece::CallStart { index: 1, name: "add".into() }]);
     let frags = pieces.iter().filter(|p| matches!(p, Piece::CallArgs { index: 0, .. })).count();
     assert_eq!(frags, r#"{"city": "Paris"}"#.len());
-    assert!(s.finish().is_empty());
+    assert!(s.finish().is_empty() && !s.cut_off());
     let p = fold(pieces);
     assert_eq!(p.calls[0].arguments, r#"{"city": "Paris"}"#);
     for format in [ToolCallParser::Llama3Json, ToolCallParser::Mistral] {
@@ -173,5 +173,9 @@ fn cut_off_calls() {
         assert_eq!(p.calls.len(), 1, "{text}");
         assert!(text.ends_with(&p.calls[0].arguments), "{text}: {:?}", p.calls[0].arguments);
         assert!(parse(format, text, NAMES).calls.is_empty());
+        let mut s = ToolStreamer::new(format, NAMES);
+        s.push(text);
+        s.finish();
+        assert!(s.cut_off(), "{text}");
     }
 }

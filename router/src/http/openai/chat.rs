@@ -130,7 +130,7 @@ pub async fn chat_completions(
             let step = splitter.push(text, generated.is_some());
             let finish = generated.map(|g| {
                 let reason = g.finish_reason.openai();
-                if splitter.made_calls() { "tool_calls".to_string() } else { reason.to_string() }
+                if splitter.calls_finished() { "tool_calls".to_string() } else { reason.to_string() }
             });
             let choice = |delta: ChatDelta, logprobs, finish_reason| ChatChunkChoice { index: msg.index, delta, logprobs, finish_reason };
             let delta = |content: Option<String>, tool_calls| ChatDelta {

@@ -136,6 +136,17 @@ impl StreamSplitter {
     pub fn made_calls(&self) -> bool {
         !self.calls.is_empty()
     }
+
+    /// Whether the reply ended inside a call it had sent: the finish is then the generation's own
+    /// (`length`), telling the client the last call's arguments are incomplete.
+    pub fn cut_off(&self) -> bool {
+        self.tools.as_ref().is_some_and(|(t, _)| t.cut_off())
+    }
+
+    /// The finish to report: tool calls when the reply made whole ones.
+    pub fn calls_finished(&self) -> bool {
+        self.made_calls() && !self.cut_off()
+    }
 }
 
 #[cfg(test)]
