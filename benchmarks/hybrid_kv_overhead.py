@@ -2,8 +2,9 @@
 
 pagemill keeps one block table for all layers, so a Gemma 2/3 local layer keeps every token's
 K/V although it reads only its window. This launches a tiny Gemma 3 (2 local layers with an
-8-token window, 1 global layer; 4-token blocks) through `pagemill launch`, streams one long
-greedy request, and reads `pagemill_kv_blocks_used` from /metrics at several lengths. The
+8-token window, 1 global layer; 4-token blocks) through `pagemill launch`, runs one long
+greedy request, and reads /metrics while it runs: `pagemill_kv_blocks_used` and, in the same
+read, `pagemill_generated_tokens_total` (how long the sequence is at that moment). The
 blocks a local layer needs are those its window touches (ceil(W / block) + 1); the rest of what
 the sequence holds is what the local layers keep beyond the window. Bytes per block and layer
 come from the shard's own pool sizing (KVPool.bytes_per_block). The same per-block accounting
@@ -23,6 +24,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -36,15 +38,19 @@ from pagemill.models.config import ModelConfig  # noqa: E402
 from pagemill.shard.kv_pool import KVPool  # noqa: E402
 
 BLOCK, WINDOW, LAYERS, LOCAL = 4, 8, 3, 2
-CHECKPOINTS = (40, 80, 160, 240)  # generated tokens at which /metrics is read
+CHECKPOINTS = (64, 128, 256, 400)  # sequence lengths reported (nearest /metrics read)
+MAX_NEW = 460
 PROMPT_WORDS = 16
 
 
-def metric(url: str, name: str) -> float:
+def scrape(url: str) -> dict[str, float]:
+    """The unlabelled series of one /metrics read."""
+    out = {}
     for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    raise KeyError(name)
+        parts = line.split()
+        if len(parts) == 2 and not line.startswith("#") and "{" not in parts[0]:
+            out[parts[0]] = float(parts[1])
+    return out
 
 
 def measure_tiny(port: int, default_model: Path) -> dict:
@@ -71,16 +77,25 @@ def measure_tiny(port: int, default_model: Path) -> dict:
         prompt_tokens = len(httpx.post(f"{url}/tokenize", json={"inputs": " ".join(["word"] * PROMPT_WORDS)},
                                        timeout=10).json())  # fmt: skip
         body = {"inputs": " ".join(["word"] * PROMPT_WORDS),
-                "parameters": {"max_new_tokens": max(CHECKPOINTS), "ignore_eos": True}}
-        rows, seen = [], 0
-        with httpx.stream("POST", f"{url}/generate_stream", json=body, timeout=600) as r:
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                seen += 1
-                if seen in CHECKPOINTS:
-                    rows.append({"tokens": prompt_tokens + seen, "blocks_used": metric(url, "pagemill_kv_blocks_used"),
-                                 "released": metric(url, "pagemill_kv_window_released_blocks_total")})
+                "parameters": {"max_new_tokens": MAX_NEW, "ignore_eos": True}}
+        generated_before = scrape(url)["pagemill_generated_tokens_total"]
+        done = threading.Event()
+
+        def run() -> None:
+            httpx.post(f"{url}/generate", json=body, timeout=600)
+            done.set()
+
+        threading.Thread(target=run, daemon=True).start()
+        # One scrape gives both the request's progress and the blocks it holds at that moment.
+        samples = []
+        while not done.is_set():
+            m = scrape(url)
+            generated = m["pagemill_generated_tokens_total"] - generated_before
+            if 0 < generated < MAX_NEW:
+                samples.append({"tokens": int(prompt_tokens + generated), "blocks_used": int(m["pagemill_kv_blocks_used"]),
+                                "released": int(m["pagemill_kv_window_released_blocks_total"])})
+            time.sleep(0.02)
+        rows = [min(samples, key=lambda r: abs(r["tokens"] - t)) for t in CHECKPOINTS]
         cfg = ModelConfig.from_dict(json.loads((model / "config.json").read_text()))
     finally:
         proc.send_signal(signal.SIGTERM)
