@@ -9,13 +9,12 @@
 //! name is known and its arguments started: if the text then breaks off
 //! inside the arguments, the call stays, with the arguments it got.
 
-use super::parse::{HERMES_CLOSE, HERMES_OPEN, LLAMA_PYTHON_TAG, MISTRAL_MARKER};
-use super::scan::{self, End};
+use super::mistral::mistral;
+use super::parse::{HERMES_CLOSE, HERMES_OPEN, LLAMA_PYTHON_TAG};
+use super::scan;
 use super::stream::held_prefix;
 use super::{pythonic, ToolCallParser};
 
-pub const MISTRAL_ARGS: &str = "[ARGS]";
-const MISTRAL_CALL_ID: &str = "[CALL_ID]";
 
 #[derive(Debug, Clone, PartialEq)]
 pub enum Item {
@@ -24,14 +23,14 @@ pub enum Item {
     Call { name: String, args: String, done: bool },
 }
 
-struct Out<'a> {
+pub(super) struct Out<'a> {
     items: Vec<Item>,
     names: &'a [&'a str],
-    fin: bool,
+    pub(super) fin: bool,
 }
 
 impl Out<'_> {
-    fn content(&mut self, s: &str) {
+    pub(super) fn content(&mut self, s: &str) {
         if s.is_empty() {
             return;
         }
@@ -41,7 +40,7 @@ impl Out<'_> {
         }
     }
 
-    fn call(&mut self, name: &str, args: &str, done: bool) {
+    pub(super) fn call(&mut self, name: &str, args: &str, done: bool) {
         self.items.push(Item::Call { name: name.to_string(), args: args.to_string(), done });
     }
 
@@ -49,7 +48,7 @@ impl Out<'_> {
         self.items.iter().any(|i| matches!(i, Item::Call { .. }))
     }
 
-    fn known(&self, name: &str) -> bool {
+    pub(super) fn known(&self, name: &str) -> bool {
         self.names.contains(&name)
     }
 }
@@ -101,7 +100,7 @@ fn object(s: &str, out: &Out, closed: bool) -> Obj {
     }
 }
 
-fn ws(b: &[u8], mut i: usize) -> usize {
+pub(super) fn ws(b: &[u8], mut i: usize) -> usize {
     while i < b.len() && b[i].is_ascii_whitespace() {
         i += 1;
     }
@@ -189,7 +188,7 @@ fn whole_reply(text: &str, pythonic: bool, out: &mut Out) {
 /// Call objects from `i`: separated by `;` (Llama) or in a JSON array
 /// whose `[` is before `i`. If the first is not a call, everything from
 /// `region` is content; after a call, a part that is not one is content.
-fn sequence(text: &str, mut i: usize, array: bool, region: usize, out: &mut Out) {
+pub(super) fn sequence(text: &str, mut i: usize, array: bool, region: usize, out: &mut Out) {
     let b = text.as_bytes();
     let mut first = true;
     loop {
@@ -235,7 +234,7 @@ fn sequence(text: &str, mut i: usize, array: bool, region: usize, out: &mut Out)
 }
 
 /// Text after the calls: content unless it is only whitespace.
-fn trailing(text: &str, i: usize, out: &mut Out) {
+pub(super) fn trailing(text: &str, i: usize, out: &mut Out) {
     if !text[i..].trim().is_empty() {
         out.content(&text[i..]);
     }
@@ -270,97 +269,5 @@ fn python_list(text: &str, mut i: usize, out: &mut Out) {
             }
         }
         first = false;
-    }
-}
-
-fn mistral(text: &str, out: &mut Out) {
-    let b = text.as_bytes();
-    let Some(m) = text.find(MISTRAL_MARKER) else {
-        let i = ws(b, 0);
-        if i == b.len() {
-            return if out.fin { out.content(text) } else {};
-        }
-        if b[i] == b'[' {
-            if !out.fin && MISTRAL_MARKER.starts_with(&text[i..]) {
-                return;
-            }
-            // The marker is a special token, often dropped from the text: a bare array of calls.
-            return sequence_after_bracket(text, i + 1, 0, out);
-        }
-        let keep = if out.fin { 0 } else { held_prefix(text, MISTRAL_MARKER) };
-        return out.content(&text[..text.len() - keep]);
-    };
-    let before = &text[..m];
-    let region = if before.trim().is_empty() {
-        0
-    } else {
-        out.content(before);
-        m
-    };
-    let after = ws(b, m + MISTRAL_MARKER.len());
-    match b.get(after) {
-        None if out.fin => out.content(&text[region..]),
-        None => {}
-        Some(b'[') => sequence_after_bracket(text, after + 1, region, out),
-        Some(_) => mistral_v11(text, m, region, out),
-    }
-}
-
-fn sequence_after_bracket(text: &str, i: usize, region: usize, out: &mut Out) {
-    let j = ws(text.as_bytes(), i);
-    match text.as_bytes().get(j) {
-        None if out.fin => out.content(&text[region..]),
-        None => {}
-        Some(b'{') => sequence(text, j, true, region, out),
-        Some(_) => out.content(&text[region..]),
-    }
-}
-
-/// Mistral v11 tokenizers: `[TOOL_CALLS]name[ARGS]{...}` per call (some
-/// with `[CALL_ID]id` before `[ARGS]`); `marker` is the first marker's offset.
-fn mistral_v11(text: &str, mut marker: usize, region: usize, out: &mut Out) {
-    let b = text.as_bytes();
-    let mut first = true;
-    loop {
-        let fail = |out: &mut Out| out.content(&text[if first { region } else { marker }..]);
-        let head = &text[marker + MISTRAL_MARKER.len()..];
-        let Some(a) = head.find(MISTRAL_ARGS) else {
-            let mut h = &head[..head.len() - if out.fin { 0 } else { held_prefix(head, MISTRAL_ARGS) }];
-            if !out.fin {
-                h = &h[..h.len() - held_prefix(h, MISTRAL_CALL_ID)];
-            }
-            let mut parts = h.splitn(2, MISTRAL_CALL_ID);
-            let name = parts.next().unwrap_or_default().trim();
-            let id_ok = parts.next().is_none_or(|id| id.chars().all(|c| c.is_alphanumeric()));
-            let plausible = id_ok && name.chars().all(|c| c.is_alphanumeric() || "_-.".contains(c));
-            return if out.fin || !plausible { fail(out) } else {};
-        };
-        let name = head[..a].split(MISTRAL_CALL_ID).next().unwrap_or_default().trim();
-        if !out.known(name) {
-            return fail(out);
-        }
-        let start = ws(b, marker + MISTRAL_MARKER.len() + a + MISTRAL_ARGS.len());
-        match b.get(start) {
-            None if out.fin => return fail(out),
-            None => return,
-            Some(b'{') => {}
-            Some(_) => return fail(out),
-        }
-        let end = match scan::value_end(text, start) {
-            End::At(e) => e,
-            _ => return out.call(name, &text[start..], false),
-        };
-        out.call(name, &text[start..end], true);
-        let next = ws(b, end);
-        let rest = &text[next..];
-        if rest.starts_with(MISTRAL_MARKER) {
-            marker = next;
-            first = false;
-            continue;
-        }
-        if !out.fin && MISTRAL_MARKER.starts_with(rest) {
-            return;
-        }
-        return trailing(text, end, out);
     }
 }

@@ -9,6 +9,7 @@
 
 pub mod analyze;
 pub mod grammar;
+mod mistral;
 pub mod parse;
 pub mod pythonic;
 pub mod scan;
