@@ -179,3 +179,26 @@ fn cut_off_calls() {
         assert!(s.cut_off(), "{text}");
     }
 }
+
+/// Broken JSON inside a closed tag: the stream had committed the call; it ends with the reply
+/// (its arguments as written) and counts as cut off, so the finish is the generation's own rather
+/// than tool_calls. Text after the tag is still content.
+#[test]
+fn broken_arguments_after_commit() {
+    let text = "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1\n</tool_call> then text";
+    for step in [1, 3, 1000] {
+        let mut s = ToolStreamer::new(ToolCallParser::Hermes, NAMES);
+        let mut pieces = Vec::new();
+        let chars: Vec<char> = text.chars().collect();
+        for chunk in chars.chunks(step) {
+            pieces.extend(s.push(&chunk.iter().collect::<String>()));
+        }
+        pieces.extend(s.finish());
+        let p = fold(pieces);
+        assert_eq!(p.content, " then text");
+        assert_eq!(p.calls.len(), 1);
+        assert_eq!(p.calls[0].arguments, "{\"a\": 1\n");
+        assert!(s.cut_off());
+    }
+    assert!(parse(ToolCallParser::Hermes, text, NAMES).calls.is_empty());
+}
