@@ -1,6 +1,7 @@
 """The `pagemill-client` SDK (clients/python) against the real server."""
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -66,3 +67,34 @@ def test_async_client(server):
     out, chat, events = asyncio.run(main())
     assert events[-1].generated_text == out.generated_text
     assert chat.choices[0].message.content
+
+
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+    "required": ["a", "b"], "additionalProperties": False}}}
+
+
+def test_chat_with_tools_streamed_and_joined(client):
+    args = dict(tools=[ADD], tool_choice={"type": "function", "function": {"name": "add"}},
+                parallel_tool_calls=False, temperature=0, max_tokens=48)
+    ask = [{"role": "user", "content": "What is 2 + 3?"}]
+    plain = client.chat(ask, **args)
+    calls = plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason == "tool_calls" and calls[0].id.startswith("call_")
+    assert calls[0].function.name == "add" and set(json.loads(calls[0].function.arguments)) == {"a", "b"}
+    joiner = pagemill_client.ChatStreamJoiner()
+    for chunk in client.chat_stream(ask, **args):
+        joiner.add(chunk)
+    joined = joiner.message()
+    assert joiner.finish_reason() == "tool_calls" and joined.content is None
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in joined.tool_calls] == [
+        (c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+def test_token_id_prompts(client):
+    ids = [t["id"] for t in client.tokenize(PROMPT)]
+    by_text = client.completions(PROMPT, temperature=0, max_tokens=4)
+    by_ids = client.completions([ids, ids], temperature=0, max_tokens=4)
+    assert [c.text for c in by_ids.choices] == [by_text.choices[0].text] * 2
+    streamed = pagemill_client.join_chat_stream(client.chat_stream(CHAT, temperature=0, max_tokens=6))
+    assert streamed.content == client.chat(CHAT, temperature=0, max_tokens=6).choices[0].message.content

@@ -1,5 +1,5 @@
-"""A tiny Qwen2-MoE (routed experts, a shared expert, a dense layer among sparse ones) through
-`pagemill launch` with the native MoE code: 16 concurrent greedy requests of different lengths,
+"""A tiny Qwen2-MoE (routed experts, a shared expert, a dense layer among sparse ones) and a tiny
+Mixtral (routed experts only, renormalised top-2) through `pagemill launch` with the native MoE code: 16 concurrent greedy requests of different lengths,
 batched together, give transformers' own greedy tokens, and every KV block is free afterwards
 (read from /metrics)."""
 
@@ -20,18 +20,27 @@ PROMPTS = [" ".join(WORDS[: 1 + (3 * i) % len(WORDS)]) + f" {i}" for i in range(
 MAX_NEW = 16
 
 
-@pytest.fixture(scope="module")
-def moe(tmp_path_factory, default_model_dir):
-    model_dir = save_tiny_model(tmp_path_factory.mktemp("qwen2-moe"), default_model_dir, "Qwen2MoeConfig", **CONFIG)
+MIXTRAL = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=2048, num_local_experts=4, num_experts_per_tok=2,
+               sliding_window=None)
+MODELS = {"Qwen2MoeForCausalLM": ("Qwen2MoeConfig", CONFIG), "MixtralForCausalLM": ("MixtralConfig", MIXTRAL)}
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def moe(request, tmp_path_factory, default_model_dir):
+    cls, config = MODELS[request.param]
+    model_dir = save_tiny_model(tmp_path_factory.mktemp(request.param), default_model_dir, cls, **config)
     s = launch(str(model_dir), "--max-batch-prefill-tokens", "512", "--max-input-tokens", "256",
                "--max-total-tokens", "512", "--kv-cache-memory", "16MiB", "--block-size", "4")
+    s.arch = request.param
     yield model_dir, s
     assert s.stop() == 0, s.logs()
 
 
 def test_16_concurrent_greedy_requests_match_transformers(moe):
     model_dir, server = moe
-    assert any("Qwen2MoeForCausalLM: native implementation" in line for line in server.logs().splitlines())
+    # Each architecture runs its own native code.
+    assert any(f"{server.arch}: native implementation" in line for line in server.logs().splitlines())
     assert server.info()["model_impl"] == "native"
     body = lambda p: {"inputs": p, "parameters": {"max_new_tokens": MAX_NEW, "details": True}}  # noqa: E731
     with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:

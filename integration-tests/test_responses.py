@@ -79,13 +79,21 @@ def test_function_tool_call_then_its_output(client):
     assert calls and calls[0].name == "get_weather" and calls[0].call_id.startswith("call_")
     jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS["get_weather"])
     # Streamed, the same call arrives as typed events.
-    streamed = None
+    streamed, deltas, added = None, [], None
     for event in client.responses.create(model="tiny", input="Weather in Paris?", tools=TOOLS, max_output_tokens=96,
                                          temperature=0, tool_choice={"type": "function", "name": "get_weather"},
                                          stream=True):
-        if event.type == "response.function_call_arguments.done":
+        # The first call (random weights may go on calling until max_output_tokens cuts one short).
+        if event.type == "response.output_item.added" and event.item.type == "function_call" and not added:
+            added = event.item
+        if event.type == "response.function_call_arguments.delta" and streamed is None:
+            deltas.append(event.delta)
+        if event.type == "response.function_call_arguments.done" and streamed is None:
             streamed = event.arguments
     assert json.loads(streamed) == json.loads(calls[0].arguments)
+    # The item is announced by name first; its arguments follow as they are generated.
+    assert added.name == "get_weather" and added.arguments == ""
+    assert len(deltas) > 3 and "".join(deltas) == streamed
     # Stateless: the client sends the call and its output back.
     second = client.responses.create(model="tiny", tools=TOOLS, max_output_tokens=4, temperature=0, input=[
         {"role": "user", "content": "Weather in Paris?"},

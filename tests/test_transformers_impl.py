@@ -112,6 +112,26 @@ def test_errors_name_the_architecture_before_any_weight(tmp_path):
     stablelm = _config_only(tmp_path, model_type="stablelm", architectures=["StableLmForCausalLM"], **base)
     with pytest.raises(ValueError, match="StableLmForCausalLM's attention does not go through"):
         choose_impl(stablelm, "transformers")
+    # Windows and soft-capping, which the paged attention function does not apply: refused at launch,
+    # naming the config field (not at warmup, when the first forward reaches the attention function).
+    mistral = _config_only(tmp_path, model_type="mistral", architectures=["MistralForCausalLM"], **base,
+                           sliding_window=16)
+    with pytest.raises(ValueError, match=r"MistralForCausalLM cannot run through transformers.*`sliding_window` is 16"
+                                         r".*its native implementation does"):
+        choose_impl(mistral, "transformers")
+    assert choose_impl(mistral, "auto").impl == "native"
+    gemma2 = _config_only(tmp_path, model_type="gemma2", architectures=["Gemma2ForCausalLM"], **base,
+                          sliding_window=None, head_dim=8)
+    with pytest.raises(ValueError, match=r"`attn_logit_softcapping` is 50.0"):  # transformers' default
+        choose_impl(gemma2, "transformers")
+    cohere2 = _config_only(tmp_path, model_type="cohere2", architectures=["Cohere2ForCausalLM"], **base,
+                           sliding_window=8, layer_types=["sliding_attention"])
+    with pytest.raises(ValueError, match=r"Cohere2ForCausalLM cannot run through transformers.*`layer_types` has "
+                                         r"sliding_attention layers \(sliding_window=8"):
+        choose_impl(cohere2, "auto")
+    qwen2 = _config_only(tmp_path, model_type="qwen2", architectures=["Qwen2ForCausalLM"], **base,
+                         sliding_window=16, use_sliding_window=False)
+    assert choose_impl(qwen2, "transformers").impl == "transformers"  # a window the config switches off
     with pytest.raises(ValueError, match="unknown model implementation 'vllm'"):
         choose_impl(olmo2, "vllm")
     # The loader asks first: no safetensors are ever opened.

@@ -351,7 +351,7 @@ mod tests {
         assert_eq!(by("max_batch_total_tokens").default, None);
         assert!(by("cache_aware_admission").choices.is_empty());
         assert_eq!(by("reasoning_parser").choices, ["think", "qwen3", "deepseek_r1"]);
-        assert_eq!(by("tool_call_parser").choices, ["hermes", "llama3_json", "mistral"]);
+        assert_eq!(by("tool_call_parser").choices, ["hermes", "llama3_json", "mistral", "pythonic"]);
         assert!(table.iter().all(|o| !o.help.is_empty()), "every option has help");
     }
 }

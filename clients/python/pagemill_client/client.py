@@ -21,6 +21,8 @@ from pagemill_client.types import (
 )
 
 T = TypeVar("T", bound=BaseModel)
+#: A `/v1/completions` prompt: text, texts, token ids, or lists of token ids.
+Prompt = str | list[str] | list[int] | list[list[int]]
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
@@ -119,18 +121,19 @@ class Client:
         return self._stream("/generate_stream", _generate_body(prompt, parameters), StreamResponse)
 
     def chat(self, messages: list[dict], **options: Any) -> ChatCompletion:
-        """OpenAI `/v1/chat/completions`; options are OpenAI fields (`max_tokens`, `temperature`, ...)."""
+        """OpenAI `/v1/chat/completions`; options are OpenAI fields (`max_tokens`, `temperature`,
+        `tools`, `tool_choice`, ...). Tool calls are in `choices[i].message.tool_calls`."""
         return self._post("/v1/chat/completions", _openai_body({"messages": messages}, options, False), ChatCompletion)
 
     def chat_stream(self, messages: list[dict], **options: Any) -> Iterator[ChatCompletionChunk]:
         return self._stream("/v1/chat/completions", _openai_body({"messages": messages}, options, True),
                             ChatCompletionChunk)
 
-    def completions(self, prompt: str | list[str], **options: Any) -> Completion:
-        """OpenAI `/v1/completions`."""
+    def completions(self, prompt: Prompt, **options: Any) -> Completion:
+        """OpenAI `/v1/completions`; `prompt` may be text, texts, token ids or lists of token ids."""
         return self._post("/v1/completions", _openai_body({"prompt": prompt}, options, False), Completion)
 
-    def completions_stream(self, prompt: str | list[str], **options: Any) -> Iterator[Completion]:
+    def completions_stream(self, prompt: Prompt, **options: Any) -> Iterator[Completion]:
         return self._stream("/v1/completions", _openai_body({"prompt": prompt}, options, True), Completion)
 
 
@@ -189,8 +192,8 @@ class AsyncClient:
         return self._stream("/v1/chat/completions", _openai_body({"messages": messages}, options, True),
                             ChatCompletionChunk)
 
-    async def completions(self, prompt: str | list[str], **options: Any) -> Completion:
+    async def completions(self, prompt: Prompt, **options: Any) -> Completion:
         return await self._post("/v1/completions", _openai_body({"prompt": prompt}, options, False), Completion)
 
-    def completions_stream(self, prompt: str | list[str], **options: Any) -> AsyncIterator[Completion]:
+    def completions_stream(self, prompt: Prompt, **options: Any) -> AsyncIterator[Completion]:
         return self._stream("/v1/completions", _openai_body({"prompt": prompt}, options, True), Completion)

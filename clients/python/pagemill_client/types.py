@@ -73,9 +73,24 @@ class Usage(_Model):
     total_tokens: int
 
 
+class FunctionCall(_Model):
+    name: str
+    #: The arguments as JSON text (`json.loads` it).
+    arguments: str
+
+
+class ToolCall(_Model):
+    id: str
+    type: str = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
     role: str
     content: str | None = None
+    #: The think block's text, with a server started with `--reasoning-parser`.
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] | None = None
 
 
 class TopLogprob(_Model):
@@ -108,9 +123,25 @@ class ChatCompletion(_Model):
     usage: Usage | None = None
 
 
+class FunctionCallDelta(_Model):
+    name: str | None = None
+    arguments: str = ""
+
+
+class ToolCallDelta(_Model):
+    """A streamed tool call: the first delta of a call has `id` and
+    `function.name`; the next ones fragments of `function.arguments`."""
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(_Model):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(_Model):

@@ -47,7 +47,8 @@ pub fn lark(format: ToolCallParser, tools: &[Tool], parallel: bool, tag_ids: (Op
         ToolCallParser::Hermes => (hermes.as_str(), "\"\\n\"", "", ""),
         ToolCallParser::Llama3Json => ("fn", "\"; \"", "", ""),
         // The marker is a special token the grammar cannot write as text; the parser reads a bare array.
-        ToolCallParser::Mistral => ("fn", "\", \"", "\"[\" ", " \"]\""),
+        // Pythonic arguments cannot be held to a JSON schema: forced calls are a JSON array, which its parser reads too.
+        ToolCallParser::Mistral | ToolCallParser::Pythonic => ("fn", "\", \"", "\"[\" ", " \"]\""),
     };
     let repeat = if parallel { format!(" ({sep} call)*") } else { String::new() };
     g.push_str(&format!("start: {open}call{repeat}{close}\n"));

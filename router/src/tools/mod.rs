@@ -7,8 +7,12 @@
 //! with llguidance (`grammar`), written in the same format so the same
 //! parser reads it back.
 
+pub mod analyze;
 pub mod grammar;
+mod mistral;
 pub mod parse;
+pub mod pythonic;
+pub mod scan;
 pub mod stream;
 
 use rand::distr::{Alphanumeric, SampleString};
@@ -27,15 +31,21 @@ pub enum ToolCallParser {
     #[value(name = "llama3_json")]
     #[serde(rename = "llama3_json")]
     Llama3Json,
-    /// `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral).
+    /// `[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]` (Mistral), or
+    /// `[TOOL_CALLS]name[ARGS]{...}` per call (Mistral v11 tokenizers).
     Mistral,
+    /// `[name(key=value, ...), ...]` with Python literals (Llama 3.2 / Llama 4 pythonic templates).
+    Pythonic,
 }
 
 impl ToolCallParser {
     /// The format a chat template renders tool calls in, judged by the
     /// markers it writes; Hermes (the most common) when it shows none.
     pub fn detect(template_source: &str) -> Self {
-        if template_source.contains("[TOOL_CALLS]") {
+        // The pythonic templates show the call syntax to the model in the system prompt.
+        if template_source.contains("[func_name1(") || template_source.contains("[func_name(") {
+            ToolCallParser::Pythonic
+        } else if template_source.contains("[TOOL_CALLS]") {
             ToolCallParser::Mistral
         } else if template_source.contains("<tool_call>") {
             ToolCallParser::Hermes
@@ -69,6 +79,48 @@ pub struct FunctionDef {
     /// Accepted: arguments of forced calls always follow the schema given here.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strict: Option<bool>,
+}
+
+/// A function tool as the Responses and Messages APIs list them: flat
+/// (name, description, schema) rather than under `function`.
+pub struct FlatTool<'a> {
+    /// Why the entry's `type` is not served, if it is not.
+    pub unserved: Option<String>,
+    pub name: &'a str,
+    pub description: Option<&'a String>,
+    pub parameters: Option<&'a serde_json::Value>,
+    pub strict: Option<bool>,
+}
+
+/// Another API's `tools` as chat tools; `view` reads one entry.
+pub fn from_flat<'a, T>(
+    list: Option<&'a [T]>,
+    view: impl Fn(&'a T) -> FlatTool<'a>,
+) -> Result<Option<Vec<Tool>>, RouterError> {
+    let Some(list) = list else { return Ok(None) };
+    let tools = list.iter().enumerate().map(|(i, t)| {
+        let v = view(t);
+        if let Some(why) = v.unserved {
+            return Err(RouterError::Validation(format!("`tools[{i}].type`: {why}")));
+        }
+        Ok(Tool {
+            kind: "function".into(),
+            function: FunctionDef {
+                name: v.name.to_string(),
+                description: v.description.cloned(),
+                parameters: v.parameters.cloned(),
+                strict: v.strict,
+            },
+        })
+    });
+    tools.collect::<Result<Vec<_>, _>>().map(Some)
+}
+
+impl ToolChoice {
+    /// The named function `name`.
+    pub fn named(name: &str) -> Self {
+        ToolChoice::Named(NamedToolChoice { kind: "function".into(), function: NamedFunction { name: name.to_string() } })
+    }
 }
 
 /// `tool_choice`: "none", "auto", "required", or `{"type": "function", "function": {"name": ...}}`.
@@ -214,6 +266,9 @@ mod tests {
         assert_eq!(ToolCallParser::detect("[TOOL_CALLS] {{ x }}"), ToolCallParser::Mistral);
         assert_eq!(ToolCallParser::detect("<|python_tag|>"), ToolCallParser::Llama3Json);
         assert_eq!(ToolCallParser::detect("plain"), ToolCallParser::Hermes);
+        let pythonic = "respond in the format [func_name1(params_name1=params_value1, params_name2=params_value2...), func_name2(params)]";
+        assert_eq!(ToolCallParser::detect(pythonic), ToolCallParser::Pythonic);
+        assert_eq!(ToolCallParser::detect("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}"), ToolCallParser::Mistral);
     }
 
     #[test]

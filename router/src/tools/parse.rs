@@ -4,6 +4,7 @@
 
 use serde_json::Value;
 
+use super::analyze::{analyze, Item};
 use super::{ToolCall, ToolCallParser};
 
 pub const HERMES_OPEN: &str = "<tool_call>";
@@ -24,7 +25,22 @@ pub fn parse(format: ToolCallParser, text: &str, names: &[&str]) -> Parsed {
         ToolCallParser::Llama3Json => whole_reply(text.trim_start().trim_start_matches(LLAMA_PYTHON_TAG), names)
             .map_or_else(|| Parsed { content: text.to_string(), calls: vec![] }, |calls| Parsed { content: String::new(), calls }),
         ToolCallParser::Mistral => mistral(text, names),
+        ToolCallParser::Pythonic => read_whole(ToolCallParser::Pythonic, text, names),
     }
+}
+
+/// A whole reply by the streaming reading; a call cut off inside its
+/// arguments makes the reply content, as in the other formats.
+fn read_whole(format: ToolCallParser, text: &str, names: &[&str]) -> Parsed {
+    let mut out = Parsed::default();
+    for item in analyze(format, text, names, true) {
+        match item {
+            Item::Content(c) => out.content.push_str(&c),
+            Item::Call { name, args, done: true } => out.calls.push(ToolCall { name, arguments: args }),
+            Item::Call { done: false, .. } => return Parsed { content: text.to_string(), calls: vec![] },
+        }
+    }
+    out
 }
 
 /// `{"name": ..., "arguments"|"parameters": {...}}` naming a known function.
@@ -110,6 +126,10 @@ fn mistral(text: &str, names: &[&str]) -> Parsed {
         None if text.trim_start().starts_with('[') => ("", text),
         None => return Parsed { content: text.to_string(), calls: vec![] },
     };
+    // v11 tokenizers: `[TOOL_CALLS]name[ARGS]{...}`.
+    if !calls_text.trim_start().starts_with('[') {
+        return read_whole(ToolCallParser::Mistral, text, names);
+    }
     match whole_reply(calls_text, names) {
         Some(calls) if calls_text.trim_start().starts_with('[') => {
             let content = if before.trim().is_empty() { String::new() } else { before.to_string() };

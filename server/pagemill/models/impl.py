@@ -51,6 +51,11 @@ def choose_impl(model_dir: str, requested: str = "auto", world_size: int = 1,
             raise ValueError(f"{arch} cannot run through transformers: {tf_error}")
         raise ValueError(f"pagemill cannot serve {arch}: no native implementation ({native_error}), "
                          f"and through transformers {tf_error}")  # fmt: skip
+    attention_error = transformers_attention_support(model_dir)
+    if attention_error is not None:
+        native = "" if native_error is not None else "; its native implementation does (--model-impl auto or native)"
+        raise ValueError(f"{arch} cannot run through transformers with pagemill's paged attention: "
+                         f"{attention_error}{native}")  # fmt: skip
     if world_size != 1:
         raise ValueError(f"{arch} runs through transformers' modeling code, which pagemill does not shard: "
                          f"use one shard (got {world_size})")  # fmt: skip
@@ -74,4 +79,31 @@ def transformers_support(model_type: str | None) -> str | None:
     cls = getattr(transformers, name, None)
     if cls is None or not getattr(cls, "_supports_attention_backend", False):
         return f"{name}'s attention does not go through transformers' attention interface"
+    return None
+
+
+def transformers_attention_support(model_dir: str) -> str | None:
+    """None where every attention layer of the checkpoint is plain causal attention (all our paged
+    attention function applies), else which config field asks for more. Read from transformers'
+    parsed config, whose defaults count (Gemma 2 soft-caps unless config.json says otherwise); found
+    here at launch, rather than when warmup's first forward hands the attention function a window."""
+    from transformers import AutoConfig
+
+    text = AutoConfig.from_pretrained(model_dir).get_text_config()
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if softcap:
+        return f"`attn_logit_softcapping` is {softcap} (attention-logit soft-capping is not applied)"
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        local = sorted({t for t in layer_types if t != "full_attention"})
+        if local:
+            return (f"`layer_types` has {', '.join(local)} layers (sliding_window="
+                    f"{getattr(text, 'sliding_window', None)}; windows are not applied)")
+        return None
+    window = getattr(text, "sliding_window", None)
+    if window and getattr(text, "use_sliding_window", True) is not False:
+        return f"`sliding_window` is {window} (windows are not applied)"
+    chunk = getattr(text, "attention_chunk_size", None)
+    if chunk:
+        return f"`attention_chunk_size` is {chunk} (chunked attention is not applied)"
     return None

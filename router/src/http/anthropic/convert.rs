@@ -8,8 +8,8 @@ use serde_json::{json, Value};
 
 use super::types::{Content, InputBlock, MessagesRequest, TextOrBlocks};
 use crate::error::RouterError;
-use crate::http::openai::types::{ChatCompletionRequest, ChatMessage, MessageContent, SamplingParams};
-use crate::tools::{FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolChoice};
+use crate::http::openai::types::{ChatCompletionRequest, ChatMessage, SamplingParams};
+use crate::tools::{from_flat, FlatTool, ToolChoice};
 
 fn invalid(m: String) -> RouterError {
     RouterError::Validation(m)
@@ -31,20 +31,11 @@ fn text_of(t: &TextOrBlocks, field: &str) -> Result<String, RouterError> {
     }
 }
 
-fn message(role: &str, content: String) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content: Some(MessageContent::Text(content)),
-        name: None,
-        tool_calls: None,
-        tool_call_id: None,
-    }
-}
 
 fn messages(req: &MessagesRequest) -> Result<Vec<ChatMessage>, RouterError> {
     let mut out = Vec::new();
     if let Some(system) = &req.system {
-        out.push(message("system", text_of(system, "system")?));
+        out.push(ChatMessage::text("system", text_of(system, "system")?));
     }
     for (i, m) in req.messages.iter().enumerate() {
         if m.role != "user" && m.role != "assistant" {
@@ -52,7 +43,7 @@ fn messages(req: &MessagesRequest) -> Result<Vec<ChatMessage>, RouterError> {
         }
         let blocks = match &m.content {
             Content::Text(t) => {
-                out.push(message(&m.role, t.clone()));
+                out.push(ChatMessage::text(&m.role, t.clone()));
                 continue;
             }
             Content::Blocks(b) => b,
@@ -84,7 +75,7 @@ fn messages(req: &MessagesRequest) -> Result<Vec<ChatMessage>, RouterError> {
                     }
                     out.push(ChatMessage {
                         tool_call_id: Some(tool_use_id.clone()),
-                        ..message("tool", result)
+                        ..ChatMessage::text("tool", result)
                     });
                 }
             }
@@ -92,7 +83,7 @@ fn messages(req: &MessagesRequest) -> Result<Vec<ChatMessage>, RouterError> {
         if !text.is_empty() || !calls.is_empty() || m.role == "assistant" {
             out.push(ChatMessage {
                 tool_calls: (!calls.is_empty()).then_some(Value::Array(calls)),
-                ..message(&m.role, text)
+                ..ChatMessage::text(&m.role, text)
             });
         }
     }
@@ -106,10 +97,7 @@ fn tool_choice(req: &MessagesRequest) -> Result<(Option<ToolChoice>, Option<bool
         ("auto", None) => mode("auto"),
         ("any", None) => mode("required"),
         ("none", None) => mode("none"),
-        ("tool", Some(name)) => Some(ToolChoice::Named(NamedToolChoice {
-            kind: "function".into(),
-            function: NamedFunction { name: name.clone() },
-        })),
+        ("tool", Some(name)) => Some(ToolChoice::named(name)),
         ("tool", None) => return Err(invalid("`tool_choice.name` is required with type \"tool\"".into())),
         (_, Some(_)) => return Err(invalid("`tool_choice.name` is only for type \"tool\"".into())),
         (other, None) => {
@@ -126,28 +114,13 @@ pub fn to_chat(req: &MessagesRequest) -> Result<ChatCompletionRequest, RouterErr
     if let Some(t) = req.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
         return Err(invalid(format!("`temperature` must be in [0, 1], got {t}")));
     }
-    let tools = match &req.tools {
-        None => None,
-        Some(list) => Some(
-            list.iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    if t.kind.as_deref().is_some_and(|k| k != "custom") {
-                        return Err(invalid(format!("`tools[{i}].type`: only client tools (\"custom\") are served")));
-                    }
-                    Ok(Tool {
-                        kind: "function".into(),
-                        function: FunctionDef {
-                            name: t.name.clone(),
-                            description: t.description.clone(),
-                            parameters: Some(t.input_schema.clone()),
-                            strict: None,
-                        },
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-        ),
-    };
+    let tools = from_flat(req.tools.as_deref(), |t| FlatTool {
+        unserved: t.kind.as_deref().is_some_and(|k| k != "custom").then(|| "only client tools (\"custom\") are served".into()),
+        name: &t.name,
+        description: t.description.as_ref(),
+        parameters: Some(&t.input_schema),
+        strict: None,
+    })?;
     let (tool_choice, parallel_tool_calls) = tool_choice(req)?;
     Ok(ChatCompletionRequest {
         messages: messages(req)?,

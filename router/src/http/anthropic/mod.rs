@@ -73,7 +73,7 @@ pub async fn messages(State(app): State<AppState>, JsonBody(req): JsonBody<Messa
             };
             let text = if token.special { "" } else { token.text.as_str() };
             let step = splitter.push(text, generated.is_some());
-            let end = generated.map(|g| (stop_reason(&g.finish_reason, splitter.made_calls()), g.generated_tokens));
+            let end = generated.map(|g| (stop_reason(&g.finish_reason, splitter.calls_finished()), g.generated_tokens));
             events.step(step, end)
         };
         let handles = handles.into_iter().map(|h| (0, h)).collect();

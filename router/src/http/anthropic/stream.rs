@@ -6,7 +6,7 @@
 use axum::response::sse::Event;
 use serde_json::{json, Value};
 
-use crate::http::openai::reply::StepDelta;
+use crate::http::openai::reply::{CallDelta, StepDelta};
 
 fn event(name: &str, data: Value) -> Event {
     Event::default().event(name).data(data.to_string())
@@ -16,6 +16,8 @@ fn event(name: &str, data: Value) -> Event {
 enum Block {
     Thinking,
     Text,
+    /// A tool call, its input streamed as `input_json_delta`s.
+    ToolUse,
 }
 
 /// Turns a reply's steps into Messages events.
@@ -45,7 +47,7 @@ impl MessageEvents {
             self.close(out);
             let start = match block {
                 Block::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
-                Block::Text => json!({"type": "text", "text": ""}),
+                Block::Text | Block::ToolUse => json!({"type": "text", "text": ""}),
             };
             out.push(event("content_block_start",
                 json!({"type": "content_block_start", "index": self.next_index, "content_block": start})));
@@ -54,7 +56,7 @@ impl MessageEvents {
         }
         let delta = match block {
             Block::Thinking => json!({"type": "thinking_delta", "thinking": text}),
-            Block::Text => json!({"type": "text_delta", "text": text}),
+            Block::Text | Block::ToolUse => json!({"type": "text_delta", "text": text}),
         };
         out.push(event("content_block_delta",
             json!({"type": "content_block_delta", "index": self.next_index - 1, "delta": delta})));
@@ -68,16 +70,27 @@ impl MessageEvents {
         }
         self.delta(Block::Thinking, &step.reasoning, &mut out);
         self.delta(Block::Text, &step.content, &mut out);
-        for (_, call) in step.tool_calls {
-            self.close(&mut out);
-            let index = self.next_index;
-            self.next_index += 1;
-            let id = super::tool_use_id(&call.id);
-            out.push(event("content_block_start", json!({"type": "content_block_start", "index": index,
-                "content_block": {"type": "tool_use", "id": id, "name": call.function.name, "input": {}}})));
-            out.push(event("content_block_delta", json!({"type": "content_block_delta", "index": index,
-                "delta": {"type": "input_json_delta", "partial_json": call.function.arguments}})));
-            out.push(event("content_block_stop", json!({"type": "content_block_stop", "index": index})));
+        for call in step.tool_calls {
+            match call {
+                CallDelta::Start { id, name, .. } => {
+                    self.close(&mut out);
+                    let index = self.next_index;
+                    self.next_index += 1;
+                    self.open = Some(Block::ToolUse);
+                    out.push(event("content_block_start", json!({"type": "content_block_start", "index": index,
+                        "content_block": {"type": "tool_use", "id": super::tool_use_id(&id), "name": name, "input": {}}})));
+                }
+                CallDelta::Args { text, .. } if self.open == Some(Block::ToolUse) => {
+                    out.push(event("content_block_delta", json!({"type": "content_block_delta",
+                        "index": self.next_index - 1, "delta": {"type": "input_json_delta", "partial_json": text}})));
+                }
+                CallDelta::Args { .. } => {}
+                CallDelta::End { .. } => {
+                    if self.open == Some(Block::ToolUse) {
+                        self.close(&mut out);
+                    }
+                }
+            }
         }
         if let Some((reason, output_tokens)) = end {
             self.close(&mut out);

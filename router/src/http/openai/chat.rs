@@ -9,10 +9,10 @@ use serde_json::Value as Json_;
 use super::stream::{self, ChoiceEvent, ChoiceMsg};
 use super::types::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatLogprobs, ChatMessage, ChatResponseMessage, ContentPart, MessageContent, ToolCallDelta, Usage, ROLES,
+    ChatLogprobs, ChatMessage, ChatResponseMessage, ContentPart, FunctionCallDelta, MessageContent, ToolCallDelta, Usage, ROLES,
 };
 use super::prepare::{prepare, PreparedChat};
-use super::reply::{self, StreamSplitter};
+use super::reply::{self, CallDelta, StreamSplitter};
 use super::{logprobs, ResponseMeta};
 use crate::error::{OpenAiErrorBody, RouterError};
 use crate::http::extract::OpenAiJson;
@@ -130,7 +130,7 @@ pub async fn chat_completions(
             let step = splitter.push(text, generated.is_some());
             let finish = generated.map(|g| {
                 let reason = g.finish_reason.openai();
-                if splitter.made_calls() { "tool_calls".to_string() } else { reason.to_string() }
+                if splitter.calls_finished() { "tool_calls".to_string() } else { reason.to_string() }
             });
             let choice = |delta: ChatDelta, logprobs, finish_reason| ChatChunkChoice { index: msg.index, delta, logprobs, finish_reason };
             let delta = |content: Option<String>, tool_calls| ChatDelta {
@@ -150,8 +150,20 @@ pub async fn chat_completions(
                 choices.push(choice(d, logprobs, None));
             }
             let no_calls = step.tool_calls.is_empty();
-            for (index, call) in step.tool_calls {
-                choices.push(choice(delta(None, vec![ToolCallDelta { index, call }]), None, None));
+            for call in step.tool_calls {
+                let d = match call {
+                    CallDelta::Start { index, id, name } => ToolCallDelta {
+                        index,
+                        id: Some(id),
+                        kind: Some("function".into()),
+                        function: FunctionCallDelta { name: Some(name), arguments: String::new() },
+                    },
+                    CallDelta::Args { index, text } => ToolCallDelta {
+                        index, id: None, kind: None, function: FunctionCallDelta { name: None, arguments: text },
+                    },
+                    CallDelta::End { .. } => continue,
+                };
+                choices.push(choice(delta(None, vec![d]), None, None));
             }
             // One chunk per token: the last token's text carries the finish
             // (clients count chunks); a separate chunk only after tool calls or for no text.

@@ -47,20 +47,31 @@ pub fn split(plan: Option<&ToolPlan>, think: Option<bool>, text: &str) -> Reply 
     }
 }
 
+/// A tool call's part of a streamed step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum CallDelta {
+    /// The call begins: its id and function name (`index` counts the reply's calls).
+    Start { index: u32, id: String, name: String },
+    /// A fragment of its JSON arguments.
+    Args { index: u32, text: String },
+    /// The call is over; `arguments` is all of it.
+    End { index: u32, id: String, name: String, arguments: String },
+}
+
 /// What one streamed step adds to a reply.
 #[derive(Debug, Default)]
 pub struct StepDelta {
     pub reasoning: String,
     pub content: String,
-    /// (index within the reply, call)
-    pub tool_calls: Vec<(u32, ToolCallOut)>,
+    pub tool_calls: Vec<CallDelta>,
 }
 
 /// Splits a reply as it streams.
 pub struct StreamSplitter {
     think: Option<ReasoningStreamer>,
     tools: Option<(ToolStreamer, bool)>,
-    calls: u32,
+    /// (id, name, arguments so far) of each call sent.
+    calls: Vec<(String, String, String)>,
 }
 
 impl StreamSplitter {
@@ -68,7 +79,7 @@ impl StreamSplitter {
         Self {
             think: think.map(ReasoningStreamer::new),
             tools: plan.map(|p| (ToolStreamer::new(p.format, &p.names()), p.parallel)),
-            calls: 0,
+            calls: Vec::new(),
         }
     }
 
@@ -93,22 +104,71 @@ impl StreamSplitter {
         if last {
             pieces.extend(streamer.finish());
         }
-        let parallel = *parallel;
+        // Without parallel_tool_calls only the first call is sent.
+        let keep = |index: u32| *parallel || index == 0;
         let mut delta = StepDelta { reasoning, ..Default::default() };
         for p in pieces {
             match p {
                 Piece::Content(c) => delta.content.push_str(&c),
-                Piece::Call(c) if parallel || self.calls == 0 => {
-                    delta.tool_calls.push((self.calls, tool_call_out(c)));
-                    self.calls += 1;
+                Piece::CallStart { index, name } if keep(index) => {
+                    let id = call_id();
+                    self.calls.push((id.clone(), name.clone(), String::new()));
+                    delta.tool_calls.push(CallDelta::Start { index, id, name });
                 }
-                Piece::Call(_) => {}
+                Piece::CallArgs { index, text } if keep(index) => {
+                    self.calls[index as usize].2.push_str(&text);
+                    // Fragments of one step go out as one.
+                    match delta.tool_calls.last_mut() {
+                        Some(CallDelta::Args { index: i, text: t }) if *i == index => t.push_str(&text),
+                        _ => delta.tool_calls.push(CallDelta::Args { index, text }),
+                    }
+                }
+                Piece::CallEnd { index } if keep(index) => {
+                    let (id, name, arguments) = self.calls[index as usize].clone();
+                    delta.tool_calls.push(CallDelta::End { index, id, name, arguments });
+                }
+                _ => {}
             }
         }
         delta
     }
 
     pub fn made_calls(&self) -> bool {
-        self.calls > 0
+        !self.calls.is_empty()
+    }
+
+    /// Whether the reply ended inside a call it had sent: the finish is then the generation's own
+    /// (`length`), telling the client the last call's arguments are incomplete.
+    pub fn cut_off(&self) -> bool {
+        self.tools.as_ref().is_some_and(|(t, _)| t.cut_off())
+    }
+
+    /// The finish to report: tool calls when the reply made whole ones.
+    pub fn calls_finished(&self) -> bool {
+        self.made_calls() && !self.cut_off()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tools::{Tool, ToolCallParser};
+
+    #[test]
+    fn one_call_without_parallel_calls() {
+        let tools: Vec<Tool> = serde_json::from_value(serde_json::json!([
+            {"type": "function", "function": {"name": "add"}}])).unwrap();
+        let plan = ToolPlan::new(ToolCallParser::Hermes, Some(&tools), None, Some(false)).unwrap().unwrap();
+        let mut s = StreamSplitter::new(Some(&plan), None);
+        let text = "<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1}}</tool_call><tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call>";
+        let mut all = Vec::new();
+        for (i, c) in text.chars().enumerate() {
+            all.extend(s.push(&c.to_string(), i + 1 == text.chars().count()).tool_calls);
+        }
+        let ends: Vec<_> = all.iter().filter_map(|d| match d { CallDelta::End { arguments, .. } => Some(arguments.as_str()), _ => None }).collect();
+        assert_eq!(ends, [r#"{"a": 1}"#]);
+        assert!(all.iter().all(|d| !matches!(d, CallDelta::Start { index: 1, .. })));
+        let CallDelta::Start { id, .. } = &all[0] else { panic!("{all:?}") };
+        assert!(id.starts_with("call_"));
     }
 }

@@ -176,6 +176,13 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
 }
 
+impl ChatMessage {
+    /// A message of plain text (what the Responses and Messages routes build their history from).
+    pub fn text(role: &str, content: String) -> Self {
+        Self { role: role.into(), content: Some(MessageContent::Text(content)), name: None, tool_calls: None, tool_call_id: None }
+    }
+}
+
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 pub struct ChatCompletionRequest {
     pub messages: Vec<ChatMessage>,
@@ -294,12 +301,25 @@ pub struct ToolCallOut {
     pub function: FunctionCallOut,
 }
 
-/// A tool call in a stream chunk: sent whole, in one delta.
+/// A tool call in a stream chunk, as OpenAI streams them: the first delta
+/// of a call has its `id`, `type` and `function.name` with `arguments` "";
+/// the next ones only `index` and a fragment of `function.arguments`.
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ToolCallDelta {
     pub index: u32,
-    #[serde(flatten)]
-    pub call: ToolCallOut,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub id: Option<String>,
+    /// "function", on the first delta
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub kind: Option<String>,
+    pub function: FunctionCallDelta,
+}
+
+#[derive(Debug, Clone, Serialize, ToSchema)]
+pub struct FunctionCallDelta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub arguments: String,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

@@ -6,31 +6,22 @@ use serde_json::{json, Value};
 
 use super::types::{Input, InputItem, MessageContent, ResponsesRequest, ToolChoice as RToolChoice};
 use crate::error::RouterError;
-use crate::http::openai::types::{self as chat, ChatCompletionRequest, ChatMessage, SamplingParams};
-use crate::tools::{FunctionDef, NamedFunction, NamedToolChoice, Tool, ToolChoice};
+use crate::http::openai::types::{ChatCompletionRequest, ChatMessage, SamplingParams};
+use crate::tools::{from_flat, FlatTool, NamedFunction, NamedToolChoice, ToolChoice};
 
 fn invalid(m: String) -> RouterError {
     RouterError::Validation(m)
 }
 
-fn message(role: &str, text: String) -> ChatMessage {
-    ChatMessage {
-        role: role.into(),
-        content: Some(chat::MessageContent::Text(text)),
-        name: None,
-        tool_calls: None,
-        tool_call_id: None,
-    }
-}
 
 fn messages(req: &ResponsesRequest) -> Result<Vec<ChatMessage>, RouterError> {
     let mut out = Vec::new();
     if let Some(i) = &req.instructions {
-        out.push(message("system", i.clone()));
+        out.push(ChatMessage::text("system", i.clone()));
     }
     let items = match &req.input {
         Input::Text(t) => {
-            out.push(message("user", t.clone()));
+            out.push(ChatMessage::text("user", t.clone()));
             return Ok(out);
         }
         Input::Items(items) => items,
@@ -64,7 +55,7 @@ fn messages(req: &ResponsesRequest) -> Result<Vec<ChatMessage>, RouterError> {
                     }
                 };
                 let role = if m.role == "developer" { "system" } else { m.role.as_str() };
-                out.push(message(role, text));
+                out.push(ChatMessage::text(role, text));
             }
             InputItem::FunctionCall(c) => {
                 let call = json!({"id": c.call_id, "type": "function",
@@ -76,11 +67,11 @@ fn messages(req: &ResponsesRequest) -> Result<Vec<ChatMessage>, RouterError> {
                             calls.push(call);
                         }
                     }
-                    _ => out.push(ChatMessage { tool_calls: Some(Value::Array(vec![call])), ..message("assistant", String::new()) }),
+                    _ => out.push(ChatMessage { tool_calls: Some(Value::Array(vec![call])), ..ChatMessage::text("assistant", String::new()) }),
                 }
             }
             InputItem::FunctionCallOutput(o) => {
-                out.push(ChatMessage { tool_call_id: Some(o.call_id.clone()), ..message("tool", o.output.clone()) });
+                out.push(ChatMessage { tool_call_id: Some(o.call_id.clone()), ..ChatMessage::text("tool", o.output.clone()) });
             }
         }
     }
@@ -94,28 +85,13 @@ pub fn to_chat(req: &ResponsesRequest) -> Result<ChatCompletionRequest, RouterEr
     if req.store == Some(true) {
         return Err(invalid("`store`: this server keeps no responses; leave it unset or false".into()));
     }
-    let tools = match &req.tools {
-        None => None,
-        Some(list) => Some(
-            list.iter()
-                .enumerate()
-                .map(|(i, t)| {
-                    if t.kind != "function" {
-                        return Err(invalid(format!("`tools[{i}].type`: only function tools are served, got {:?}", t.kind)));
-                    }
-                    Ok(Tool {
-                        kind: "function".into(),
-                        function: FunctionDef {
-                            name: t.name.clone(),
-                            description: t.description.clone(),
-                            parameters: t.parameters.clone(),
-                            strict: t.strict,
-                        },
-                    })
-                })
-                .collect::<Result<Vec<_>, _>>()?,
-        ),
-    };
+    let tools = from_flat(req.tools.as_deref(), |t| FlatTool {
+        unserved: (t.kind != "function").then(|| format!("only function tools are served, got {:?}", t.kind)),
+        name: &t.name,
+        description: t.description.as_ref(),
+        parameters: t.parameters.as_ref(),
+        strict: t.strict,
+    })?;
     let tool_choice = match &req.tool_choice {
         None => None,
         Some(RToolChoice::Mode(m)) => Some(ToolChoice::Mode(m.clone())),

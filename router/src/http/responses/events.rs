@@ -8,8 +8,8 @@ use axum::response::sse::Event;
 use serde_json::{json, Value};
 
 use super::types::ResponseObject;
-use super::{call_item, message_item, reasoning_item};
-use crate::http::openai::reply::StepDelta;
+use super::{call_item, call_item_id, message_item, reasoning_item};
+use crate::http::openai::reply::{CallDelta, StepDelta};
 
 pub struct ResponseEvents {
     obj: ResponseObject,
@@ -20,11 +20,13 @@ pub struct ResponseEvents {
     message: Option<(usize, String)>,
     /// Reasoning is sent as one item once it is over.
     reasoning: Option<String>,
+    /// Calls begun and not yet done: (index in the reply, output index, call id).
+    calls: Vec<(u32, usize, String)>,
 }
 
 impl ResponseEvents {
     pub fn new(obj: ResponseObject, id: &str) -> Self {
-        Self { obj, id: id.to_string(), seq: 0, started: false, message: None, reasoning: None }
+        Self { obj, id: id.to_string(), seq: 0, started: false, message: None, reasoning: None, calls: vec![] }
     }
 
     fn event(&mut self, kind: &str, mut data: Value) -> Event {
@@ -92,20 +94,32 @@ impl ResponseEvents {
                 text.push_str(&step.content);
             }
         }
-        for (_, call) in step.tool_calls {
-            self.flush_reasoning(&mut out);
-            self.close_message(&mut out);
-            let index = self.obj.output.len();
-            let item = call_item(&call, "", "in_progress");
-            let id = item["id"].clone();
-            out.push(self.event("response.output_item.added", json!({"output_index": index, "item": item})));
-            out.push(self.event("response.function_call_arguments.delta",
-                json!({"item_id": id, "output_index": index, "delta": call.function.arguments})));
-            out.push(self.event("response.function_call_arguments.done",
-                json!({"item_id": id, "output_index": index, "arguments": call.function.arguments})));
-            let done = call_item(&call, &call.function.arguments, "completed");
-            out.push(self.event("response.output_item.done", json!({"output_index": index, "item": done})));
-            self.obj.output.push(done);
+        for call in step.tool_calls {
+            match call {
+                CallDelta::Start { index, id, name } => {
+                    self.flush_reasoning(&mut out);
+                    self.close_message(&mut out);
+                    let at = self.obj.output.len() + self.calls.len();
+                    let item = call_item(&id, &name, "", "in_progress");
+                    out.push(self.event("response.output_item.added", json!({"output_index": at, "item": item})));
+                    self.calls.push((index, at, id));
+                }
+                CallDelta::Args { index, text } => {
+                    let Some((_, at, id)) = self.calls.iter().find(|c| c.0 == index) else { continue };
+                    let (at, item_id) = (*at, call_item_id(id));
+                    out.push(self.event("response.function_call_arguments.delta",
+                        json!({"item_id": item_id, "output_index": at, "delta": text})));
+                }
+                CallDelta::End { index, id, name, arguments } => {
+                    let Some(pos) = self.calls.iter().position(|c| c.0 == index) else { continue };
+                    let (_, at, _) = self.calls.remove(pos);
+                    out.push(self.event("response.function_call_arguments.done",
+                        json!({"item_id": call_item_id(&id), "output_index": at, "arguments": arguments})));
+                    let done = call_item(&id, &name, &arguments, "completed");
+                    out.push(self.event("response.output_item.done", json!({"output_index": at, "item": done})));
+                    self.obj.output.push(done);
+                }
+            }
         }
         out
     }

@@ -16,7 +16,6 @@ use super::extract::JsonBody;
 use super::openai::prepare::{prepare, PreparedChat};
 use super::openai::reply::{self, StreamSplitter};
 use super::openai::stream::{self as chat_stream, ChoiceEvent, ChoiceMsg, OPENAI};
-use super::openai::types::ToolCallOut;
 use super::openai::{unix_now, ResponseMeta};
 use super::types::FinishReason;
 use super::AppState;
@@ -29,9 +28,14 @@ pub fn message_item(id: &str, text: &str, status: &str) -> Value {
                json!([{"type": "output_text", "text": text, "annotations": []}]) } else { json!([]) }})
 }
 
-pub fn call_item(call: &ToolCallOut, arguments: &str, status: &str) -> Value {
-    json!({"type": "function_call", "id": format!("fc_{}", call.id.trim_start_matches("call_")),
-           "call_id": call.id, "name": call.function.name, "arguments": arguments, "status": status})
+/// `fc_...` for the call `call_...`.
+pub fn call_item_id(call_id: &str) -> String {
+    format!("fc_{}", call_id.trim_start_matches("call_"))
+}
+
+pub fn call_item(call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
+    json!({"type": "function_call", "id": call_item_id(call_id),
+           "call_id": call_id, "name": name, "arguments": arguments, "status": status})
 }
 
 pub fn reasoning_item(id: &str, text: &str) -> Value {
@@ -136,7 +140,7 @@ pub async fn responses(State(app): State<AppState>, JsonBody(req): JsonBody<Resp
         obj.output.push(message_item(&format!("msg_{}", meta.id), &reply.content, "completed"));
     }
     for call in &reply.tool_calls {
-        obj.output.push(call_item(call, &call.function.arguments, "completed"));
+        obj.output.push(call_item(&call.id, &call.function.name, &call.function.arguments, "completed"));
     }
     finish(&mut obj, &r.generated_text.finish_reason, r.input_length, r.generated_text.generated_tokens);
     Ok(Json(obj).into_response())
