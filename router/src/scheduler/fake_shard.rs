@@ -173,6 +173,6 @@ impl FakeShard {
                 ..Default::default()
             });
         }
-        pb::StepResponse { generations, forward_ns: 1, total_ns: 1 }
+        pb::StepResponse { generations, forward_ns: 1, total_ns: 1, ..Default::default() }
     }
 }
