@@ -102,6 +102,10 @@ impl SecondTier {
             return;
         }
         let over = self.index.insert(key.clone());
+        // The shard runs a step's saves before its deletes: within one batch
+        // the last word on a key must win, so drop what it contradicts.
+        self.ops.deletes.retain(|k| *k != key);
+        self.ops.saves.retain(|s| !over.contains(&s.key));
         self.ops.saves.push(pb::KvSave { block_id: block, key });
         self.ops.deletes.extend(over);
         self.stats.saved_blocks += 1;
