@@ -224,6 +224,10 @@ impl KvManager {
         self.lock().tier.as_mut().map(SecondTier::take_ops).unwrap_or_default()
     }
 
+    pub fn has_tier_ops(&self) -> bool {
+        self.lock().tier.as_ref().is_some_and(SecondTier::has_ops)
+    }
+
     /// The shard no longer holds these keys (failed load, lost file).
     pub fn tier_forget<'a>(&self, keys: impl IntoIterator<Item = &'a String>) {
         if let Some(t) = self.lock().tier.as_mut() {

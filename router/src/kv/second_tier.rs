@@ -134,6 +134,10 @@ impl SecondTier {
         found
     }
 
+    pub fn has_ops(&self) -> bool {
+        !(self.ops.saves.is_empty() && self.ops.deletes.is_empty())
+    }
+
     pub fn take_ops(&mut self) -> TierOps {
         std::mem::take(&mut self.ops)
     }

@@ -58,7 +58,8 @@ impl Scheduler {
         self.router.scheduler_alive.store(true, Ordering::SeqCst);
         let _alive = AliveGuard(self.router.clone());
         loop {
-            if self.state.is_idle() && self.state.finished.is_empty() {
+            // Idle, with nothing to tell the shard: not even tier saves of the blocks just committed.
+            if self.state.is_idle() && self.state.finished.is_empty() && !self.state.kv.has_tier_ops() {
                 match self.rx.recv().await {
                     Some(e) => self.enqueue(e),
                     None => break,
