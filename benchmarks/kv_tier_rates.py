@@ -23,7 +23,7 @@ import torch
 
 def load_rates(runner, blocks: int) -> dict:
     from pagemill.shard.kv_store import DiskStore
-    from pagemill.shard.kv_tier import block_shape
+    from pagemill.shard.kv_tier import block_shape, copy_in, copy_out
 
     pool = runner.pool
     with tempfile.TemporaryDirectory() as d:
@@ -31,13 +31,13 @@ def load_rates(runner, blocks: int) -> dict:
         keys = [f"{i:032x}" for i in range(blocks)]
         t = time.perf_counter()
         for i, k in enumerate(keys):
-            store.save(k, pool.storage[:, :, 1 + i % (pool.num_blocks - 1)].to("cpu", copy=True))
+            store.save(k, copy_out(pool, 1 + i % (pool.num_blocks - 1)))
         store.flush()
         write_s = (time.perf_counter() - t) / blocks
         times = []
         for i, k in enumerate(keys):
             t = time.perf_counter()
-            pool.storage[:, :, 1 + i % (pool.num_blocks - 1)].copy_(store.load(k))
+            copy_in(pool, 1 + i % (pool.num_blocks - 1), store.load(k))
             times.append(time.perf_counter() - t)
     per = statistics.median(times)
     return {"block_bytes": store.block_bytes, "load_ms_per_block": per * 1e3,
