@@ -194,7 +194,7 @@ impl FakeShard {
     /// Saves (before anything of this step writes), loads, deletes; returns the failed loads.
     fn tier_ops(&mut self, req: &pb::StepRequest) -> Vec<String> {
         let bs = self.block_size as u64;
-        let block_slots = |b: u32| (b as u64 * bs..(b as u64 + 1) * bs);
+        let block_slots = |b: u32| b as u64 * bs..(b as u64 + 1) * bs;
         for sv in &req.kv_saves {
             let content = block_slots(sv.block_id).map(|s| self.slots.get(&s).copied()).collect();
             self.corrupt.remove(&sv.key);
