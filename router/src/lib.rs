@@ -11,6 +11,7 @@ pub mod http;
 pub mod infer;
 pub mod kv;
 pub mod metrics;
+mod metrics_tier;
 pub mod proto;
 pub mod queue;
 pub mod reasoning;
@@ -67,7 +68,20 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         })
         .await
         .map_err(|e| format!("shard Warmup failed: {}", e.message()))?;
-    let kv = KvManager::new(warmup.num_blocks, warmup.block_size, config.prefix_caching);
+    let mut kv = KvManager::new(warmup.num_blocks, warmup.block_size, config.prefix_caching);
+    if let Some(t) = warmup.kv_tier.as_ref() {
+        let cfg = crate::kv::TierConfig::from_warmup(t);
+        tracing::info!(
+            "second KV tier ({}): {} of {} blocks stored, load {:.3} ms/block vs recompute {:.3} ms/block{}",
+            t.kind,
+            t.keys.len(),
+            t.capacity_blocks,
+            cfg.costs.load_s() * 1e3,
+            cfg.costs.recompute_s(warmup.block_size) * 1e3,
+            if config.prefix_caching { "" } else { " (unused: prefix caching is off)" }
+        );
+        kv = kv.with_tier(cfg);
+    }
     let kv_blocks = kv.capacity();
     let pool_tokens = kv_blocks as u64 * warmup.block_size as u64;
     // One request at its longest (plus speculative slots) must always fit, or

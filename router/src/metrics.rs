@@ -108,7 +108,7 @@ impl Metrics {
     }
 }
 
-fn scalar(out: &mut String, name: &str, kind: &str, help: &str, value: f64) {
+pub(crate) fn scalar(out: &mut String, name: &str, kind: &str, help: &str, value: f64) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
 }
 
@@ -178,6 +178,7 @@ pub fn render(st: &RouterState) -> String {
     for (name, help, v) in counters {
         scalar(&mut out, name, "counter", help, v);
     }
+    crate::metrics_tier::render(st, &mut out);
     let name = "pagemill_http_requests_total";
     let _ = writeln!(out, "# HELP {name} HTTP responses by route and status\n# TYPE {name} counter");
     for ((route, status), n) in m.http.lock().unwrap_or_else(|e| e.into_inner()).iter() {

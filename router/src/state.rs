@@ -37,6 +37,23 @@ pub struct RouterState {
     pub kv_window_released_blocks_total: AtomicU64,
     /// KV utilization of running sequences, parts per million.
     pub kv_utilization_ppm: AtomicU64,
+    /// Second KV tier (all zero without one): blocks it holds, bytes per
+    /// block, and cumulative counts (hits/misses/skips are prompt blocks
+    /// looked up past the prefix cache; saved/loaded are blocks copied).
+    pub kv_tier_blocks: AtomicU64,
+    pub kv_tier_block_bytes: AtomicU64,
+    pub kv_tier_hit_blocks_total: AtomicU64,
+    pub kv_tier_miss_blocks_total: AtomicU64,
+    pub kv_tier_skipped_blocks_total: AtomicU64,
+    pub kv_tier_saved_blocks_total: AtomicU64,
+    pub kv_tier_loaded_blocks_total: AtomicU64,
+    pub kv_tier_failed_loads_total: AtomicU64,
+    pub kv_tier_lost_total: AtomicU64,
+    pub kv_tier_hit_tokens_total: AtomicU64,
+    pub kv_tier_load_ns_total: AtomicU64,
+    pub kv_tier_save_ns_total: AtomicU64,
+    /// Prefill time the loaded blocks would have cost at the measured rate.
+    pub kv_tier_recompute_saved_ns_total: AtomicU64,
     /// Latency histograms and per-route counters, written by the HTTP side.
     pub metrics: crate::metrics::Metrics,
 }

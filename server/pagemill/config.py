@@ -68,6 +68,14 @@ class ShardConfig:
     kv_cache_dtype: str = option("auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
                                  help="KV cache storage: auto (the model dtype) or fp8, which holds twice the tokens "
                                       "of bf16")
+    # shard/kv_tier.py, docs/kv_cache.md: a second KV tier under the pool.
+    kv_offload_dir: str | None = option(None, help="directory of the disk KV tier: prefix blocks are written there "
+                                                   "and loaded back instead of recomputed, also after a restart")
+    kv_offload_disk: int = option(8 << 30, parse=parse_bytes,
+                                  help="byte budget of --kv-offload-dir (least recently used blocks are deleted)")
+    kv_offload_memory: int = option(0, parse=parse_bytes,
+                                    help="bytes of host memory for a KV tier without --kv-offload-dir (meant "
+                                         "for a GPU pool; 0: none)")
 
 
 def check_quantize(method: str | None, device_type: str, world_size: int) -> None:

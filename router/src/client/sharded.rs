@@ -93,6 +93,15 @@ impl ShardedClient {
         // Each rank holds a slice of every block; the group can only use the smallest pool.
         let mut best = results[0].clone();
         best.num_blocks = results.iter().map(|r| r.num_blocks).min().unwrap_or(0);
+        // Each rank stores its slice of a block: a key is usable only where every rank has it.
+        if let Some(t) = best.kv_tier.as_mut() {
+            for r in &results[1..] {
+                let theirs = r.kv_tier.as_ref();
+                let has: std::collections::HashSet<&String> = theirs.map(|x| x.keys.iter().collect()).unwrap_or_default();
+                t.keys.retain(|k| has.contains(k));
+                t.capacity_blocks = t.capacity_blocks.min(theirs.map_or(0, |x| x.capacity_blocks));
+            }
+        }
         Ok(best)
     }
 

@@ -6,12 +6,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::block_allocator::BlockAllocator;
 use super::radix::RadixCache;
+use super::second_tier::{SecondTier, TierConfig, TierOps, TierStats};
 
 #[derive(Debug)]
 struct Inner {
     alloc: BlockAllocator,
     radix: RadixCache,
     prefix_caching: bool,
+    tier: Option<SecondTier>,
 }
 
 impl Inner {
@@ -38,6 +40,10 @@ impl Inner {
         // Evict least recently used cached prefixes only as far as needed.
         while self.alloc.free_blocks() < n {
             let block = self.radix.evict_one().expect("reclaimable blocks are evictable");
+            if let Some(t) = self.tier.as_mut() {
+                // Copied out by the shard before this step's forward reuses it.
+                t.evicted(block);
+            }
             let left = self.alloc.release(block);
             debug_assert_eq!(left, 0, "an evicted block had holders");
         }
@@ -82,10 +88,22 @@ impl KvManager {
                 alloc,
                 radix: RadixCache::new(block_size),
                 prefix_caching,
+                tier: None,
             })),
             block_size,
             capacity,
         }
+    }
+
+    /// Adds the shard's second tier: every block the prefix cache indexes is
+    /// also saved there, and prompts look past the cache into it.
+    pub fn with_tier(self, config: TierConfig) -> Self {
+        self.lock().tier = Some(SecondTier::new(config, self.block_size));
+        self
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     pub fn block_size(&self) -> u32 {
@@ -175,10 +193,54 @@ impl KvManager {
         let full = tokens.len() / self.block_size as usize;
         let n = full.min(blocks.ids.len());
         let added = g.radix.insert(&tokens[..n * self.block_size as usize], &blocks.ids[..n]);
-        for id in added {
+        for &id in &added {
             // The tree's own reference keeps the block after its sequences end.
             g.alloc.retain(id);
         }
+        if let Some(tier) = g.tier.as_mut() {
+            // Write-through: what the tree indexes is saved once, so an
+            // eviction drops nothing the tier lacks and a restart finds it.
+            if let Some(first) = blocks.ids[..n].iter().position(|b| added.first() == Some(b)) {
+                tier.commit(&tokens[..n * self.block_size as usize], &blocks.ids[..n], first..first + added.len());
+            }
+        }
+    }
+
+    /// Keys of the full blocks of `tokens` from block `from` on that the
+    /// second tier holds (consecutive, at most the cacheable blocks), when
+    /// loading them is cheaper than computing them; empty otherwise.
+    pub fn tier_hits(&self, tokens: &[u32], from: usize) -> Vec<super::tier::Key> {
+        let max = self.max_cached_blocks(tokens);
+        let mut g = self.lock();
+        let caching = g.prefix_caching;
+        match g.tier.as_mut() {
+            Some(t) if caching && from < max => t.hits(tokens, from, max),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Saves and deletes to send with the next step (drained).
+    pub fn take_tier_ops(&self) -> TierOps {
+        self.lock().tier.as_mut().map(SecondTier::take_ops).unwrap_or_default()
+    }
+
+    pub fn has_tier_ops(&self) -> bool {
+        self.lock().tier.as_ref().is_some_and(SecondTier::has_ops)
+    }
+
+    /// The shard no longer holds these keys (failed load, lost file).
+    pub fn tier_forget<'a>(&self, keys: impl IntoIterator<Item = &'a String>) {
+        if let Some(t) = self.lock().tier.as_mut() {
+            t.forget(keys);
+        }
+    }
+
+    pub fn tier_costs(&self) -> Option<super::tier::TierCosts> {
+        self.lock().tier.as_ref().map(SecondTier::costs)
+    }
+
+    pub fn tier_stats(&self) -> Option<TierStats> {
+        self.lock().tier.as_ref().map(SecondTier::stats)
     }
 
     /// Radix cache's token prefix ending at `block` (tests and checks).

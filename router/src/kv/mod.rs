@@ -4,9 +4,14 @@
 pub mod block_allocator;
 pub mod manager;
 pub mod radix;
+pub mod second_tier;
+pub mod tier;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_tier;
 
 pub use block_allocator::BlockAllocator;
 pub use manager::{KvBlocks, KvManager, KvStats};
 pub use radix::RadixCache;
+pub use second_tier::{TierConfig, TierOps, TierStats};

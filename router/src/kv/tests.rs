@@ -8,11 +8,11 @@ use proptest::prelude::*;
 
 use super::{KvBlocks, KvManager};
 
-const BS: u32 = 4;
+pub(super) const BS: u32 = 4;
 
-struct Seq {
-    tokens: Vec<u32>,
-    blocks: KvBlocks,
+pub(super) struct Seq {
+    pub(super) tokens: Vec<u32>,
+    pub(super) blocks: KvBlocks,
 }
 
 #[derive(Debug, Clone)]
@@ -42,14 +42,14 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 /// Prompts of one pattern share prefixes; generated tokens diverge.
-fn prompt(pat: u8, len: u8) -> Vec<u32> {
+pub(super) fn prompt(pat: u8, len: u8) -> Vec<u32> {
     (0..len as u32).map(|i| (pat as u32) * 1000 + i % 7).collect()
 }
 
 /// What each block holds: the token prefix its KV was computed for.
-type Content = HashMap<u32, Vec<u32>>;
+pub(super) type Content = HashMap<u32, Vec<u32>>;
 
-fn write(content: &mut Content, s: &Seq, from: usize) {
+pub(super) fn write(content: &mut Content, s: &Seq, from: usize) {
     let bs = BS as usize;
     for (i, &b) in s.blocks.ids().iter().enumerate() {
         let end = ((i + 1) * bs).min(s.tokens.len());
@@ -60,7 +60,7 @@ fn write(content: &mut Content, s: &Seq, from: usize) {
     }
 }
 
-fn check(kv: &KvManager, seqs: &[Seq], content: &Content) -> Result<(), TestCaseError> {
+pub(super) fn check(kv: &KvManager, seqs: &[Seq], content: &Content) -> Result<(), TestCaseError> {
     let st = kv.stats();
     let mut held: HashMap<u32, u32> = HashMap::new();
     for s in seqs {

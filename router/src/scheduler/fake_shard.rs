@@ -36,6 +36,10 @@ pub struct FakeShard {
     pub window: u32,
     /// Every step the shard saw (for assertions on the plans).
     pub steps: Vec<pb::StepRequest>,
+    /// Second tier: key -> the slots of one block, as saved.
+    pub store: HashMap<String, Vec<Option<u32>>>,
+    /// Keys whose file a test corrupted: loading them fails.
+    pub corrupt: std::collections::HashSet<String>,
 }
 
 /// The "model": the next token after `context`.
@@ -46,7 +50,17 @@ pub fn next_token(context: &[u32]) -> u32 {
 
 impl FakeShard {
     pub fn new(block_size: u32, num_blocks: u32) -> Self {
-        Self { block_size, num_blocks, slots: HashMap::new(), reqs: HashMap::new(), accept: 0, window: 0, steps: Vec::new() }
+        Self {
+            block_size,
+            num_blocks,
+            slots: HashMap::new(),
+            reqs: HashMap::new(),
+            accept: 0,
+            window: 0,
+            steps: Vec::new(),
+            store: HashMap::new(),
+            corrupt: Default::default(),
+        }
     }
 
     pub fn holds(&self, id: u64) -> bool {
@@ -68,6 +82,7 @@ impl FakeShard {
         for id in &req.finished_ids {
             self.reqs.remove(id);
         }
+        let failed_loads = self.tier_ops(req);
         let mut seen = std::collections::HashSet::new();
         for r in &req.requests {
             assert!(seen.insert(r.id), "request {} scheduled twice in one step", r.id);
@@ -173,6 +188,35 @@ impl FakeShard {
                 ..Default::default()
             });
         }
-        pb::StepResponse { generations, forward_ns: 1, total_ns: 1 }
+        pb::StepResponse { generations, forward_ns: 1, total_ns: 1, kv_failed_loads: failed_loads, ..Default::default() }
+    }
+
+    /// Saves (before anything of this step writes), loads, deletes; returns the failed loads.
+    fn tier_ops(&mut self, req: &pb::StepRequest) -> Vec<String> {
+        let bs = self.block_size as u64;
+        let block_slots = |b: u32| b as u64 * bs..(b as u64 + 1) * bs;
+        for sv in &req.kv_saves {
+            let content = block_slots(sv.block_id).map(|s| self.slots.get(&s).copied()).collect();
+            self.corrupt.remove(&sv.key);
+            self.store.insert(sv.key.clone(), content);
+        }
+        let mut failed = Vec::new();
+        for ld in &req.kv_loads {
+            match self.store.get(&ld.key) {
+                Some(c) if !self.corrupt.contains(&ld.key) => {
+                    for (s, t) in block_slots(ld.block_id).zip(c.clone()) {
+                        match t {
+                            Some(t) => self.slots.insert(s, t),
+                            None => self.slots.remove(&s),
+                        };
+                    }
+                }
+                _ => failed.push(ld.key.clone()),
+            }
+        }
+        for k in &req.kv_deletes {
+            self.store.remove(k);
+        }
+        failed
     }
 }

@@ -20,6 +20,8 @@ mod fake_shard;
 mod tests;
 #[cfg(test)]
 mod tests_priority;
+#[cfg(test)]
+mod tests_tier;
 
 pub use plan::{schedule, StepPlan};
 pub use run::Scheduler;

@@ -33,8 +33,22 @@ pub struct Planned {
     pub prompt: bool,
 }
 
+/// A sequence admitted with blocks to load from the second tier: this step
+/// only loads them; its compute is planned once the reply confirmed them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Loading {
+    pub id: u64,
+    /// Index in its block table of the first loaded block.
+    pub first_block: u32,
+    pub keys: Vec<String>,
+}
+
 #[derive(Debug, Default)]
 pub struct StepPlan {
+    /// Sequences whose blocks this step loads from the second tier.
+    pub loading: Vec<Loading>,
+    /// Prompt tokens those loads bring back (metrics).
+    pub tier_hit_tokens: u64,
     pub planned: Vec<Planned>,
     pub request: pb::StepRequest,
     pub preempted: u32,
@@ -50,9 +64,15 @@ pub struct StepPlan {
 }
 
 impl StepPlan {
-    /// Nothing to compute (finished ids may still need telling).
+    /// Nothing to compute or load (finished ids and tier saves may still need telling).
     pub fn is_empty(&self) -> bool {
-        self.planned.is_empty()
+        self.planned.is_empty() && self.loading.is_empty()
+    }
+
+    /// A step worth sending even with nothing to compute.
+    pub fn has_messages(&self) -> bool {
+        let r = &self.request;
+        !(r.finished_ids.is_empty() && r.kv_saves.is_empty() && r.kv_deletes.is_empty())
     }
 
     pub fn has_decode(&self) -> bool {
@@ -118,6 +138,11 @@ pub fn schedule(st: &mut State, now: Instant) -> StepPlan {
         }
     }
     plan.request.finished_ids = std::mem::take(&mut st.finished);
+    // Evictions and commits made in this plan (and since the last one): the
+    // shard copies these blocks out before this step's forward overwrites them.
+    let ops = st.kv.take_tier_ops();
+    plan.request.kv_saves = ops.saves;
+    plan.request.kv_deletes = ops.deletes;
     plan
 }
 
@@ -304,6 +329,19 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
             _ => len - cache_len,
         };
         plan.prefix_hit_tokens += cache_len as u64;
+        let first = cache_len / bs;
+        let keys = st.kv.tier_hits(&s.tokens, first as usize);
+        if !keys.is_empty() {
+            let ids = s.blocks.as_ref().map_or(&[][..], |b| b.ids());
+            for (i, key) in keys.iter().enumerate() {
+                let block_id = ids[first as usize + i];
+                plan.request.kv_loads.push(pb::KvLoad { key: key.clone(), block_id });
+            }
+            plan.tier_hit_tokens += keys.len() as u64 * bs as u64;
+            plan.loading.push(Loading { id: s.id, first_block: first, keys });
+            st.running.push(s);
+            continue;
+        }
         plan.push(&mut s, n, 0, true);
         st.running.push(s);
     }

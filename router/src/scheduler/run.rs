@@ -58,7 +58,8 @@ impl Scheduler {
         self.router.scheduler_alive.store(true, Ordering::SeqCst);
         let _alive = AliveGuard(self.router.clone());
         loop {
-            if self.state.is_idle() && self.state.finished.is_empty() {
+            // Idle, with nothing to tell the shard: not even tier saves of the blocks just committed.
+            if self.state.is_idle() && self.state.finished.is_empty() && !self.state.kv.has_tier_ops() {
                 match self.rx.recv().await {
                     Some(e) => self.enqueue(e),
                     None => break,
@@ -71,7 +72,7 @@ impl Scheduler {
             let mut plan = schedule(&mut self.state, Instant::now());
             self.reject(std::mem::take(&mut plan.rejected));
             if plan.is_empty() {
-                if !plan.request.finished_ids.is_empty() && !self.step_finished_only(plan).await {
+                if plan.has_messages() && !self.step_finished_only(plan).await {
                     continue;
                 }
                 self.publish();
@@ -88,6 +89,7 @@ impl Scheduler {
             RouterState::add(&self.router.recomputed_tokens_total, plan.recomputed_tokens);
             RouterState::add(&self.router.prefill_tokens_total, plan.prompt_tokens);
             RouterState::add(&self.router.prefix_hit_tokens_total, plan.prefix_hit_tokens);
+            RouterState::add(&self.router.kv_tier_hit_tokens_total, plan.tier_hit_tokens);
             let started = Instant::now();
             match self.client.step(plan.request.clone()).await {
                 Ok(resp) => {
@@ -97,6 +99,7 @@ impl Scheduler {
                     }
                     RouterState::add(&self.router.generated_tokens_total, stats.generated_tokens);
                     RouterState::add(&self.router.kv_window_released_blocks_total, stats.window_released_blocks);
+                    self.count_tier(&resp, stats.tier_loaded_blocks, stats.tier_failed_loads);
                     if plan.has_decode() {
                         RouterState::add(&self.router.decode_steps_total, 1);
                         RouterState::add(&self.router.decode_forward_ns_total, resp.forward_ns);
@@ -115,10 +118,14 @@ impl Scheduler {
         self.state.enqueue(entry);
     }
 
-    /// Only finished ids to tell: a step without work. False on failure.
+    /// Only finished ids or tier saves to tell: a step without work. False on failure.
     async fn step_finished_only(&mut self, plan: super::StepPlan) -> bool {
         match self.client.step(plan.request).await {
-            Ok(_) => true,
+            Ok(resp) => {
+                self.state.kv.tier_forget(&resp.kv_lost);
+                self.count_tier(&resp, 0, 0);
+                true
+            }
             Err(status) => {
                 self.fail_all(RouterError::from(status));
                 false
@@ -190,6 +197,23 @@ impl Scheduler {
         }
     }
 
+    /// Second-tier counters of one step reply; the load time is set against
+    /// the prefill time the loaded blocks would have cost at the measured rate.
+    fn count_tier(&self, resp: &crate::proto::pb::StepResponse, loaded: u64, failed: u64) {
+        let st = &self.router;
+        RouterState::add(&st.kv_tier_loaded_blocks_total, loaded);
+        RouterState::add(&st.kv_tier_failed_loads_total, failed);
+        RouterState::add(&st.kv_tier_load_ns_total, resp.kv_load_ns);
+        RouterState::add(&st.kv_tier_save_ns_total, resp.kv_save_ns);
+        RouterState::add(&st.kv_tier_lost_total, resp.kv_lost.len() as u64);
+        if let Some(costs) = self.state.kv.tier_costs() {
+            let saved = loaded as f64 * costs.recompute_s(self.state.kv.block_size()) * 1e9;
+            if saved.is_finite() {
+                RouterState::add(&st.kv_tier_recompute_saved_ns_total, saved as u64);
+            }
+        }
+    }
+
     fn publish(&self) {
         let st = &self.router;
         let kv = self.state.kv.stats();
@@ -199,6 +223,14 @@ impl Scheduler {
         RouterState::set(&st.kv_blocks_free, (kv.free + kv.cached_unused) as u64);
         RouterState::set(&st.kv_blocks_cached, kv.cached as u64);
         RouterState::set(&st.kv_utilization_ppm, self.state.kv_utilization_ppm());
+        if let Some(t) = self.state.kv.tier_stats() {
+            RouterState::set(&st.kv_tier_blocks, t.stored);
+            RouterState::set(&st.kv_tier_block_bytes, t.block_bytes);
+            RouterState::set(&st.kv_tier_hit_blocks_total, t.hit_blocks);
+            RouterState::set(&st.kv_tier_miss_blocks_total, t.miss_blocks);
+            RouterState::set(&st.kv_tier_skipped_blocks_total, t.skipped_blocks);
+            RouterState::set(&st.kv_tier_saved_blocks_total, t.saved_blocks);
+        }
     }
 }
 

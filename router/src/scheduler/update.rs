@@ -28,6 +28,9 @@ pub struct StepStats {
     pub unknown_ids: u32,
     /// Blocks running sequences gave back behind a sliding window.
     pub window_released_blocks: u64,
+    /// Second-tier blocks loaded and confirmed, and loads that failed.
+    pub tier_loaded_blocks: u64,
+    pub tier_failed_loads: u64,
 }
 
 pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<Event>, StepStats) {
@@ -41,6 +44,7 @@ pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<
             .or_insert(Some(g));
     }
     stats.unknown_ids = by_id.keys().filter(|id| !plan.planned.iter().any(|p| p.id == **id)).count() as u32;
+    apply_loads(st, plan, resp, &mut stats);
     let mut events = Vec::with_capacity(plan.planned.len());
     for p in &plan.planned {
         let Some(i) = st.running_index(p.id) else { continue };
@@ -122,6 +126,27 @@ pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<
         }
     }
     (events, stats)
+}
+
+/// Second-tier loads: a sequence counts as computed up to its first failed
+/// load (a missing, corrupt or mismatched file), and the rest of its prompt
+/// is computed from there. Failed and lost keys leave the index, so nothing
+/// is ever served from them again.
+pub fn apply_loads(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse, stats: &mut StepStats) {
+    st.kv.tier_forget(resp.kv_lost.iter().chain(&resp.kv_failed_loads));
+    let failed: std::collections::HashSet<&str> = resp.kv_failed_loads.iter().map(String::as_str).collect();
+    let bs = st.kv.block_size();
+    for l in &plan.loading {
+        let Some(i) = st.running_index(l.id) else { continue };
+        let ok = l.keys.iter().take_while(|k| !failed.contains(k.as_str())).count() as u32;
+        stats.tier_loaded_blocks += ok as u64;
+        stats.tier_failed_loads += l.keys.len() as u64 - ok as u64;
+        let s = &mut st.running[i];
+        s.num_computed = (l.first_block + ok) * bs;
+        if let Some(b) = s.blocks.as_ref() {
+            st.kv.commit(b, &s.tokens[..s.num_computed as usize]);
+        }
+    }
 }
 
 /// Gives back the blocks no later query of `s` reads when every layer has a

@@ -43,6 +43,7 @@ from pagemill.shard.requests import Entry, Limits, RequestState, apply_step, che
 from pagemill.shard.speculation import num_proposals, propose, verify_step
 from pagemill.shard.step_inputs import build_inputs, is_decode_step
 from pagemill.shard.kv_pool import KVPool
+from pagemill.shard.kv_tier import TierOptions, TierResult, open_tier, run_ops
 from pagemill.shard.warmup import allocate_pools, cuda_budget, dummy_steps
 from pagemill.speculative.draft import DraftProposer
 
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 class StepResult:
     generations: list  # pb.Generation
     forward_ns: int
+    tier: TierResult | None = None
 
 
 class ModelRunner:
@@ -72,6 +74,7 @@ class ModelRunner:
         cuda_graphs: bool = True,
         kv_cache_dtype: str = "auto",
         cpu_kernels: bool = False,
+        kv_offload: TierOptions = TierOptions(),
     ) -> None:
         """cpu_kernels: sample plain greedy batches with the compiled kernel (cpu_kernels/greedy.cpp)."""
         self.model, self.config = model, config
@@ -88,6 +91,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed=self.group.shared_seed(), greedy=greedy)
         self.eos_ids = frozenset(config.eos_token_ids)
         self.pool: KVPool | None = None
+        self.kv_offload = kv_offload
+        self.store = None  # the second KV tier, opened at warmup over the pool's layout
         self.requests: dict[int, RequestState] = {}  # what the shard holds per request id, between steps
         self.kv_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)  # the pool's storage dtype
         check_kv_dtype(self.kv_dtype, model.backend.name, self.device)
@@ -104,6 +109,7 @@ class ModelRunner:
                 f"draft model vocab_size {draft.config.vocab_size} != target vocab_size {config.vocab_size}: "
                 "the draft must share the target's tokenizer"
             )
+        self.model_dir = model_dir  # the KV tier namespace reads its files
         self.grammars = GrammarCompiler(model_dir, config.vocab_size, config.eos_token_ids)
         self.masker = GrammarMasker(config.vocab_size, self.device)
 
@@ -140,6 +146,7 @@ class ModelRunner:
             cuda_graphs=cfg.cuda_graphs,
             kv_cache_dtype=cfg.kv_cache_dtype,
             cpu_kernels=cfg.cpu_kernels,
+            kv_offload=TierOptions(cfg.kv_offload_dir, cfg.kv_offload_disk, cfg.kv_offload_memory),
         )
 
     # --- static facts and liveness -------------------------------------------------
@@ -205,7 +212,11 @@ class ModelRunner:
         elapsed = time.perf_counter_ns() - start
         log.info("warmup: %d KV blocks of %d tokens (%s), %.2fs", self.pool.num_blocks, self.block_size,
                  kv_dtype_name(self.kv_dtype), elapsed / 1e9)  # fmt: skip
-        return pb.WarmupResponse(num_blocks=self.pool.num_blocks, block_size=self.block_size, warmup_ns=elapsed)
+        resp = pb.WarmupResponse(num_blocks=self.pool.num_blocks, block_size=self.block_size, warmup_ns=elapsed)
+        if self.kv_offload.enabled:
+            self.store, info = open_tier(self, req)
+            resp.kv_tier.CopyFrom(info)
+        return resp
 
     # --- steps -----------------------------------------------------------------------
 
@@ -221,6 +232,8 @@ class ModelRunner:
             if e.fresh:
                 self._compile_grammar(e.state, s.new_request)
         apply_step(req, entries, self.requests)
+        # Before the forward: a saved block may be rewritten by this very step.
+        tier = run_ops(self.store, pool, req) if self.store is not None else None
         start = time.perf_counter_ns()
         live = [e for e in entries if e.state is not None]
         emitted, prompt_lps = {}, {}
@@ -233,7 +246,7 @@ class ModelRunner:
             if not keep:
                 self.requests.pop(e.id, None)
             generations.append(gen)
-        return StepResult(generations, time.perf_counter_ns() - start)
+        return StepResult(generations, time.perf_counter_ns() - start, tier)
 
     def _compile_grammar(self, r: RequestState, new) -> None:
         if not new.HasField("grammar"):

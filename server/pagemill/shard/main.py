@@ -87,6 +87,8 @@ async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event |
     finally:
         log.info("shard %d stopping", info.rank)
         await server.stop(grace=1.0)
+        if runner.store is not None:
+            runner.store.flush()  # blocks saved but not yet written: a restart finds them
         if os.path.exists(uds_path):
             os.unlink(uds_path)
 

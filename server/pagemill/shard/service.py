@@ -73,9 +73,14 @@ class ShardService:
         start = time.perf_counter_ns()
         async with self.lock:
             result = await self._on_model_thread(self.runner.step, request)
-        return pb.StepResponse(
-            generations=result.generations, forward_ns=result.forward_ns, total_ns=time.perf_counter_ns() - start
-        )
+        resp = pb.StepResponse(generations=result.generations, forward_ns=result.forward_ns)
+        if result.tier is not None:
+            t = result.tier
+            resp.kv_failed_loads.extend(t.failed_loads)
+            resp.kv_lost.extend(t.lost)
+            resp.kv_load_ns, resp.kv_save_ns = t.load_ns, t.save_ns
+        resp.total_ns = time.perf_counter_ns() - start
+        return resp
 
     # --- registration ----------------------------------------------------------------
 
