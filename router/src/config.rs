@@ -28,6 +28,14 @@ pub struct RouterConfig {
     /// unix socket of one shard of the tensor-parallel group, once per shard in rank order
     #[arg(long = "shard-uds-path", value_name = "PATH", help_heading = LAUNCHER_SETS)]
     pub shard_uds_paths: Vec<PathBuf>,
+    /// one data-parallel shard group: its shards' unix sockets in rank order, comma-separated;
+    /// once per group (instead of --shard-uds-path)
+    #[arg(long = "shard-group", value_name = "SOCKETS", help_heading = LAUNCHER_SETS)]
+    pub shard_groups: Vec<String>,
+    /// how a request's shard group is chosen: the longest cached prefix balanced against load
+    /// (prefix), the fewest queued and running tokens (least-load), or in turn (round-robin)
+    #[arg(long, value_enum, default_value_t = crate::placement::Routing::Prefix)]
+    pub routing: crate::placement::Routing,
     /// directory holding tokenizer.json (the model directory)
     // Parsed leniently so that the empty default (RouterConfig::default) parses; check() rejects it.
     #[arg(long, default_value = "", value_parser = any_path, help_heading = LAUNCHER_SETS)]
@@ -146,9 +154,30 @@ impl RouterConfig {
         Ok(config)
     }
 
+    /// The shard groups: each --shard-group, or the --shard-uds-path sockets as one group.
+    pub fn groups(&self) -> Vec<Vec<PathBuf>> {
+        if self.shard_groups.is_empty() {
+            return vec![self.shard_uds_paths.clone()];
+        }
+        self.shard_groups
+            .iter()
+            .map(|g| g.split(',').map(str::trim).filter(|p| !p.is_empty()).map(PathBuf::from).collect())
+            .collect()
+    }
+
     pub fn check(&self) -> Result<(), String> {
-        if self.shard_uds_paths.is_empty() {
-            return Err("at least one shard socket is required (--shard-uds-path)".into());
+        if self.shard_uds_paths.is_empty() && self.shard_groups.is_empty() {
+            return Err("at least one shard socket is required (--shard-uds-path or --shard-group)".into());
+        }
+        if !self.shard_uds_paths.is_empty() && !self.shard_groups.is_empty() {
+            return Err("give the shards either as --shard-uds-path (one group) or as --shard-group, not both".into());
+        }
+        let groups = self.groups();
+        if groups.iter().any(|g| g.is_empty()) {
+            return Err("a --shard-group lists no shard".into());
+        }
+        if groups.iter().any(|g| g.len() != groups[0].len()) {
+            return Err("every --shard-group must have as many shards (ranks) as the first".into());
         }
         if self.tokenizer_dir.as_os_str().is_empty() {
             return Err("the model directory is required (--tokenizer-dir)".into());
