@@ -2,13 +2,12 @@
 //! check they serve one model, warm each up (each group gets its own pool),
 //! and start one batching loop per group behind one placement layer.
 
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use crate::client::ShardedClient;
+use crate::client::{ShardAddr, ShardAuth, ShardedClient};
 use crate::kv::KvManager;
 use crate::placement::{GroupHandle, Placer, Routing};
 use crate::proto::pb;
@@ -23,10 +22,10 @@ pub struct Group {
 
 /// Connects to and warms up every group, in order (on one host they share
 /// the machine: warming up one at a time keeps each measurement honest).
-pub async fn connect(groups: &[Vec<PathBuf>], warmup: &pb::WarmupRequest) -> Result<Vec<Group>, String> {
+pub async fn connect(groups: &[Vec<ShardAddr>], auth: &ShardAuth, warmup: &pb::WarmupRequest) -> Result<Vec<Group>, String> {
     let mut out: Vec<Group> = Vec::with_capacity(groups.len());
     for (i, paths) in groups.iter().enumerate() {
-        let mut client = ShardedClient::connect(paths, Duration::from_secs(600)).await?;
+        let mut client = ShardedClient::connect(paths, auth, Duration::from_secs(600)).await?;
         let info = client.info().await.map_err(|e| format!("group {i}: shard Info failed: {}", e.message()))?;
         if let Some(first) = out.first() {
             let same = (&first.info.model_id, first.info.vocab_size, first.info.speculate, first.info.block_size)

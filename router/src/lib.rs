@@ -56,7 +56,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         max_total_tokens: config.max_total_tokens,
         max_batch_size: config.max_batch_size,
     };
-    let groups = groups::connect(&config.groups(), &warmup_request).await?;
+    let groups = groups::connect(&config.groups(), &config.shard_auth()?, &warmup_request).await?;
     let shard_info = groups[0].info.clone();
     if shard_info.max_position_embeddings > 0 && config.max_total_tokens > shard_info.max_position_embeddings {
         return Err(format!(

@@ -107,6 +107,7 @@ impl Placer {
                     queued_tokens: RouterState::get(&s.queued_tokens) + RouterState::get(&s.pending_tokens),
                     running_tokens: RouterState::get(&s.running_tokens),
                     free_tokens: RouterState::get(&s.kv_blocks_free) * kv.block_size() as u64,
+                    cache_tokens: RouterState::get(&s.kv_blocks_cached) * kv.block_size() as u64,
                 }
             })
             .collect()

@@ -11,10 +11,12 @@
 //! compute (its queue plus requests placed but not yet taken), `running` the
 //! tokens of g's running sequences (its decode work and KV), and `shortfall`
 //! the tokens of the request that do not fit g's free (or evictable) blocks
-//! (it would have to wait or preempt there). The highest score wins; ties go
-//! to the first group at or after the rotating `cursor`, so that prompts no
-//! group holds spread over the groups instead of piling on group 0.
-//! `least-load`: the fewest queued + running tokens (ties: the cursor).
+//! (it would have to wait or preempt there). The highest score wins. Ties
+//! (typically a prompt no group holds) go to the lighter group, then to the
+//! one whose prefix cache holds fewer tokens, so that new prefixes spread
+//! over the groups instead of piling on one, then to the first group at or
+//! after the rotating `cursor`.
+//! `least-load`: the fewest queued + running tokens (ties as above).
 //! `round-robin`: the first serving group at or after the cursor.
 
 use std::fmt;
@@ -52,6 +54,14 @@ pub struct GroupLoad {
     pub running_tokens: u64,
     /// Free and evictable KV slots, in tokens.
     pub free_tokens: u64,
+    /// Tokens its prefix cache holds (all prompts): breaks ties.
+    pub cache_tokens: u64,
+}
+
+impl GroupLoad {
+    fn load(&self) -> u64 {
+        self.queued_tokens + self.running_tokens
+    }
 }
 
 /// A token of load counts as much as this fraction of a cached token: a
@@ -64,7 +74,7 @@ pub const LOAD_TOKENS_PER_CACHED_TOKEN: i64 = 4;
 /// The prefix score of one group for a request of `need_tokens` (prompt +
 /// max new tokens); see the module doc.
 pub fn prefix_score(g: &GroupLoad, need_tokens: u64) -> i64 {
-    let load = (g.queued_tokens + g.running_tokens) as i64;
+    let load = g.load() as i64;
     let shortfall = need_tokens.saturating_sub(g.free_tokens) as i64;
     g.cached_tokens as i64 - load / LOAD_TOKENS_PER_CACHED_TOKEN - shortfall
 }
@@ -76,9 +86,11 @@ pub fn choose(routing: Routing, groups: &[GroupLoad], need_tokens: u64, cursor: 
     let order = (0..n).map(|k| (cursor + k) % n.max(1)).filter(|&i| groups[i].serving);
     match routing {
         Routing::RoundRobin => order.take(1).next(),
-        // max_by_key keeps the last maximum, min_by_key the first minimum: score negated.
-        Routing::LeastLoad => order.min_by_key(|&i| groups[i].queued_tokens + groups[i].running_tokens),
-        Routing::Prefix => order.min_by_key(|&i| -prefix_score(&groups[i], need_tokens)),
+        // min_by_key keeps the first minimum in rotation order (max_by_key the last): score negated.
+        Routing::LeastLoad => order.min_by_key(|&i| (groups[i].load(), groups[i].cache_tokens)),
+        Routing::Prefix => {
+            order.min_by_key(|&i| (-prefix_score(&groups[i], need_tokens), groups[i].load(), groups[i].cache_tokens))
+        }
     }
 }
 
@@ -125,6 +137,11 @@ mod tests {
         g[1].cached_tokens = 0;
         assert_eq!(choose(Routing::Prefix, &g, 100, 0), Some(0));
         assert_eq!(choose(Routing::Prefix, &g, 100, 1), Some(1));
+        // ... after the group whose cache holds less, whatever the cursor.
+        g[0].cache_tokens = 640;
+        g[1].cache_tokens = 320;
+        assert_eq!(choose(Routing::Prefix, &g, 100, 0), Some(1));
+        assert_eq!(choose(Routing::LeastLoad, &g, 100, 0), Some(1));
     }
 
     #[test]
