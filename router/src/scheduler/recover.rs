@@ -25,6 +25,13 @@ use crate::state::RouterState;
 
 /// How often a group out of rotation asks its shards whether they are back.
 const PROBE_EVERY: Duration = Duration::from_millis(500);
+/// A step running this long gets a Health probe beside it (and again after
+/// each answer): a shard answers Health from its event loop even during a
+/// long forward, so only a shard that stopped answering (SIGSTOP, a wedged
+/// host, a dropped network path) leaves it unanswered.
+const WATCH_AFTER: Duration = Duration::from_secs(2);
+/// No Health answer within this long while a step runs: the group is down.
+const HUNG_AFTER: Duration = Duration::from_secs(10);
 
 /// A failure of the group rather than of the request: the shard is gone or
 /// unreachable. A shard that answers with an error status (INTERNAL,
@@ -34,6 +41,32 @@ pub fn is_group_down(status: &tonic::Status) -> bool {
 }
 
 impl Scheduler {
+    /// The step, watched: a step outlasting WATCH_AFTER makes the loop probe
+    /// the group's Health alongside it, and no answer within HUNG_AFTER fails
+    /// the step as DEADLINE_EXCEEDED (the group goes out of rotation).
+    pub(super) async fn step_watched(&mut self, req: crate::proto::pb::StepRequest) -> Result<crate::proto::pb::StepResponse, tonic::Status> {
+        let mut probe = self.client.clone();
+        let step = self.client.step(req);
+        tokio::pin!(step);
+        loop {
+            tokio::select! {
+                r = &mut step => return r,
+                _ = tokio::time::sleep(WATCH_AFTER) => {}
+            }
+            tokio::select! {
+                r = &mut step => return r,
+                answer = tokio::time::timeout(HUNG_AFTER, probe.health()) => {
+                    if answer.is_err() {
+                        return Err(tonic::Status::deadline_exceeded(format!(
+                            "the shard group stopped answering: no Health reply within {} s during a step",
+                            HUNG_AFTER.as_secs()
+                        )));
+                    }
+                }
+            }
+        }
+    }
+
     pub(super) fn step_failed(&mut self, status: tonic::Status) {
         if is_group_down(&status) {
             self.group_down(RouterError::from(status));

@@ -112,7 +112,7 @@ impl Scheduler {
             RouterState::add(&self.stats.prefill_tokens_total, plan.prompt_tokens);
             RouterState::add(&self.stats.prefix_hit_tokens_total, plan.prefix_hit_tokens);
             let started = Instant::now();
-            match self.client.step(plan.request.clone()).await {
+            match self.step_watched(plan.request.clone()).await {
                 Ok(resp) => {
                     let (events, stats) = update(&mut self.state, &plan, &resp);
                     if stats.unknown_ids > 0 {
