@@ -22,9 +22,9 @@ QUESTIONS = ["What is the first rule?", "Summarise the rules.", "Which rule matt
 WORKLOAD = [f"{system}\nQuestion: {q}\nAnswer:" for system in SYSTEMS for q in QUESTIONS]
 
 
-def _generate(url: str, prompt: str, max_new_tokens: int = 4) -> str:
-    r = httpx.post(f"{url}/generate", timeout=120,
-                   json={"inputs": prompt, "parameters": {"max_new_tokens": max_new_tokens}})
+def _generate(url: str, prompt: str, max_new_tokens: int = 4, ignore_eos: bool = False) -> str:
+    params = {"max_new_tokens": max_new_tokens, "ignore_eos_token": ignore_eos}
+    r = httpx.post(f"{url}/generate", timeout=120, json={"inputs": prompt, "parameters": params})
     assert r.status_code == 200, r.text
     return r.json()["generated_text"]
 
@@ -104,7 +104,7 @@ def test_killed_group_hands_its_streams_over_and_comes_back(tiny_model_dir):
         n = 400
         prompts = [f"Story {i}: once upon a time there was a number {i * 37} and" for i in range(6)]
         with cf.ThreadPoolExecutor(6) as pool:
-            reference = list(pool.map(lambda p: _generate(s.url, p, n), prompts))
+            reference = list(pool.map(lambda p: _generate(s.url, p, n, ignore_eos=True), prompts))
         placed_before = _group_metric(s, "pagemill_group_requests_placed_total")
         started = [threading.Event() for _ in prompts]
         with cf.ThreadPoolExecutor(6) as pool:
@@ -143,3 +143,39 @@ def test_killed_group_hands_its_streams_over_and_comes_back(tiny_model_dir):
         for i in range(4):
             _generate(s.url, f"A new prompt {i} that no group has seen", 8)
         assert _group_metric(s, "pagemill_group_requests_placed_total")[0] > placed[0]
+
+
+@pytest.mark.timeout(120)
+def test_a_group_that_stops_answering_leaves_rotation_and_comes_back(tiny_model_dir):
+    """SIGSTOP: the shard neither dies nor answers. Its streams move to the other group once a
+    Health probe beside the running step goes unanswered (10 s); SIGCONT brings the group back."""
+    import signal
+
+    s = launch(str(tiny_model_dir), *KV, "--data-parallel", "2")
+    with stopped_after(s):
+        n = 1500
+        prompts = [f"Tale {i}: in a land of {i * 11} rivers" for i in range(4)]
+        with cf.ThreadPoolExecutor(4) as pool:
+            reference = list(pool.map(lambda p: _generate(s.url, p, n, ignore_eos=True), prompts))
+        started = [threading.Event() for _ in prompts]
+        victim = _group_shard(s, 0)
+        try:
+            with cf.ThreadPoolExecutor(4) as pool:
+                streams = [pool.submit(_stream, s.url, p, n, e) for p, e in zip(prompts, started)]
+                for e in started:
+                    assert e.wait(60), "a stream never started"
+                batch = [g["batch_size"] for g in s.info()["groups"]]
+                victim.send_signal(signal.SIGSTOP)
+                results = [f.result() for f in streams]
+            assert batch[0] > 0, batch
+            for ref, got in zip(reference, results):
+                assert got["count"] == n and got["tokens"] == ref and got["final"] == ref
+            code, body = _health(s)
+            assert (code, body["status"]) == (200, "degraded"), body
+            assert s.metric("pagemill_requeued_total") >= batch[0]
+        finally:
+            victim.send_signal(signal.SIGCONT)
+        deadline = time.monotonic() + 60
+        while _health(s) != (200, {"status": "ok"}):
+            assert time.monotonic() < deadline, _health(s)
+            time.sleep(0.5)
