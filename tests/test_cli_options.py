@@ -129,7 +129,7 @@ def test_launch_forwards_router_options(monkeypatch):
     launcher = _launcher("--port", "8080", "--api-key", "sekrit", "--no-prefix-caching", "--payload-limit", "1MiB",
                          "--max-num-batched-tokens", "0", "--prefill-chunk-tokens", "256", "--model-id", "m1",
                          "--shutdown-timeout", "60")
-    argv, env = launcher._router_args("/models/x", ["/s0", "/s1"])
+    argv, env = launcher._router_args("/models/x", [["/s0", "/s1"]])
     assert env == {"PAGEMILL_API_KEY": "sekrit"} and not any("sekrit" in f for f in argv)  # not visible in `ps`
     assert argv[argv.index("--port") + 1] == "8080" and "--no-prefix-caching" in argv
     assert argv[argv.index("--model-id") + 1] == "m1"
@@ -137,6 +137,12 @@ def test_launch_forwards_router_options(monkeypatch):
     assert (r["port"], r["api_key"], r["prefix_caching"], r["payload_limit"]) == (8080, "sekrit", False, 1 << 20)
     assert (r["max_num_batched_tokens"], r["prefill_chunk_tokens"], r["shutdown_timeout_s"]) == (None, 256, 60)
     assert r["shard_uds_paths"] == ["/s0", "/s1"] and r["tokenizer_dir"] == "/models/x"
+    # --data-parallel 2: one --shard-group per group, ranks in order.
+    launcher._router_args("/models/x", [["/a0", "/a1"], ["/b0", "/b1"]])
+    assert launcher.router["shard_groups"] == ["/a0,/a1", "/b0,/b1"] and launcher.router["shard_uds_paths"] == []
+    # --data-parallel 2: one --shard-group per group, ranks in order.
+    launcher._router_args("/models/x", [["/a0", "/a1"], ["/b0", "/b1"]])
+    assert launcher.router["shard_groups"] == ["/a0,/a1", "/b0,/b1"] and launcher.router["shard_uds_paths"] == []
     # Defaults come from the router's declaration.
     defaults = _launcher()
     defaults._router_args("/models/x", ["/s"])

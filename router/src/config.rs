@@ -9,6 +9,8 @@ use std::path::PathBuf;
 use clap::parser::ValueSource;
 use clap::{ArgAction, CommandFactory, FromArgMatches, Parser};
 
+use crate::client::{ShardAddr, ShardAuth};
+
 /// Help heading of the options `pagemill launch` sets itself per server
 /// (sockets, model directory): the launcher hides them from its own CLI.
 pub const LAUNCHER_SETS: &str = "Set by pagemill launch";
@@ -28,6 +30,18 @@ pub struct RouterConfig {
     /// unix socket of one shard of the tensor-parallel group, once per shard in rank order
     #[arg(long = "shard-uds-path", value_name = "PATH", help_heading = LAUNCHER_SETS)]
     pub shard_uds_paths: Vec<PathBuf>,
+    /// one data-parallel shard group: its shards in rank order, comma-separated, each a unix
+    /// socket path or host:port (`pagemill shard --listen`); once per group (instead of --shard-uds-path)
+    #[arg(long = "shard-group", value_name = "SHARDS", help_heading = LAUNCHER_SETS)]
+    pub shard_groups: Vec<String>,
+    /// file holding the token sent on every call to the shards (they must be started with the same
+    /// --shard-auth-token-file); required when a shard is reached over TCP
+    #[arg(long, value_name = "PATH")]
+    pub shard_auth_token_file: Option<PathBuf>,
+    /// how a request's shard group is chosen: the longest cached prefix balanced against load
+    /// (prefix), the fewest queued and running tokens (least-load), or in turn (round-robin)
+    #[arg(long, value_enum, default_value_t = crate::placement::Routing::Prefix)]
+    pub routing: crate::placement::Routing,
     /// directory holding tokenizer.json (the model directory)
     // Parsed leniently so that the empty default (RouterConfig::default) parses; check() rejects it.
     #[arg(long, default_value = "", value_parser = any_path, help_heading = LAUNCHER_SETS)]
@@ -146,9 +160,45 @@ impl RouterConfig {
         Ok(config)
     }
 
+    /// The shard groups: each --shard-group, or the --shard-uds-path sockets as one group.
+    pub fn groups(&self) -> Vec<Vec<ShardAddr>> {
+        if self.shard_groups.is_empty() {
+            return vec![self.shard_uds_paths.iter().map(|p| ShardAddr::Unix(p.clone())).collect()];
+        }
+        self.shard_groups
+            .iter()
+            .map(|g| g.split(',').map(str::trim).filter(|p| !p.is_empty()).map(ShardAddr::parse).collect())
+            .collect()
+    }
+
+    /// The credential for the shards: the token file's first line, if one is given.
+    pub fn shard_auth(&self) -> Result<ShardAuth, String> {
+        let Some(path) = &self.shard_auth_token_file else { return Ok(ShardAuth::default()) };
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        let token = text.lines().next().unwrap_or("").trim();
+        if token.is_empty() {
+            return Err(format!("{} holds no token", path.display()));
+        }
+        ShardAuth::token(token)
+    }
+
     pub fn check(&self) -> Result<(), String> {
-        if self.shard_uds_paths.is_empty() {
-            return Err("at least one shard socket is required (--shard-uds-path)".into());
+        if self.shard_uds_paths.is_empty() && self.shard_groups.is_empty() {
+            return Err("at least one shard socket is required (--shard-uds-path or --shard-group)".into());
+        }
+        if !self.shard_uds_paths.is_empty() && !self.shard_groups.is_empty() {
+            return Err("give the shards either as --shard-uds-path (one group) or as --shard-group, not both".into());
+        }
+        let groups = self.groups();
+        if groups.iter().any(|g| g.is_empty()) {
+            return Err("a --shard-group lists no shard".into());
+        }
+        if groups.iter().any(|g| g.len() != groups[0].len()) {
+            return Err("every --shard-group must have as many shards (ranks) as the first".into());
+        }
+        let tcp = groups.iter().flatten().any(|a| matches!(a, ShardAddr::Tcp(_)));
+        if tcp && self.shard_auth_token_file.is_none() {
+            return Err("shards reached over TCP need --shard-auth-token-file (the same token the shards check)".into());
         }
         if self.tokenizer_dir.as_os_str().is_empty() {
             return Err("the model directory is required (--tokenizer-dir)".into());
@@ -324,6 +374,33 @@ mod tests {
             assert!(err.contains(needle), "{flags:?}: {err}");
         }
         assert!(RouterConfig::default().check().unwrap_err().contains("--shard-uds-path"));
+    }
+
+    #[test]
+    fn shard_groups_parse_and_tcp_needs_a_token() {
+        let c = parse(&["--tokenizer-dir", "/m", "--shard-group", "/a0,/a1", "--shard-group", "/b0, /b1", "--routing",
+            "least-load"]).unwrap();
+        assert_eq!(c.check(), Ok(()));
+        assert_eq!(c.routing, crate::placement::Routing::LeastLoad);
+        let groups = c.groups();
+        assert_eq!(groups.len(), 2);
+        assert_eq!(groups[1], [ShardAddr::Unix("/b0".into()), ShardAddr::Unix("/b1".into())]);
+        let c = parse(&["--tokenizer-dir", "/m", "--shard-group", "/a0,/a1", "--shard-group", "/b0"]).unwrap();
+        assert!(c.check().unwrap_err().contains("as many shards"));
+        let c = parse(&["--tokenizer-dir", "/m", "--shard-group", "/a0", "--shard-uds-path", "/s"]).unwrap();
+        assert!(c.check().unwrap_err().contains("not both"));
+        let c = parse(&["--tokenizer-dir", "/m", "--shard-group", "127.0.0.1:7000"]).unwrap();
+        assert!(c.check().unwrap_err().contains("--shard-auth-token-file"));
+        let dir = std::env::temp_dir().join(format!("pagemill-token-{}", std::process::id()));
+        std::fs::write(&dir, "  s3cret \n").unwrap();
+        let token = dir.to_str().unwrap();
+        let c = parse(&["--tokenizer-dir", "/m", "--shard-group", "127.0.0.1:7000", "--shard-auth-token-file", token]).unwrap();
+        assert_eq!(c.check(), Ok(()));
+        assert!(c.shard_auth().is_ok());
+        std::fs::write(&dir, "\n").unwrap();
+        assert!(c.shard_auth().unwrap_err().contains("no token"));
+        std::fs::remove_file(&dir).unwrap();
+        assert_eq!(RouterConfig::default().routing, crate::placement::Routing::Prefix);
     }
 
     #[test]

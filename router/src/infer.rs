@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::RouterError;
 use crate::http::types::{GenerateParameters, PrefillToken, Token};
+use crate::placement::Placer;
 use crate::queue::{Entry, ResponseRx};
 use crate::state::RouterState;
 use crate::stream::{GeneratedText, InferStreamResponse, TextContext, TextStream};
@@ -21,7 +22,8 @@ use crate::validation::{ValidRequest, Validation};
 #[derive(Clone)]
 pub struct Infer {
     validation: Validation,
-    queue_tx: mpsc::UnboundedSender<Entry>,
+    /// Places each request on a shard group and hands it to its loop.
+    placer: Arc<Placer>,
     limit: Arc<Semaphore>,
     max_concurrent_requests: u32,
     /// `--max-queue-wait-ms`: how long a request may wait for admission.
@@ -190,7 +192,7 @@ pub fn fork_seed(seed: u64, i: u32) -> u64 {
 impl Infer {
     pub fn new(
         validation: Validation,
-        queue_tx: mpsc::UnboundedSender<Entry>,
+        placer: Arc<Placer>,
         max_concurrent_requests: u32,
         max_queue_wait: Option<Duration>,
         state: Arc<RouterState>,
@@ -198,7 +200,7 @@ impl Infer {
     ) -> Self {
         Self {
             validation,
-            queue_tx,
+            placer,
             limit: Arc::new(Semaphore::new(max_concurrent_requests as usize)),
             max_concurrent_requests,
             max_queue_wait,
@@ -207,6 +209,10 @@ impl Infer {
             state,
             text,
         }
+    }
+
+    pub fn placer(&self) -> &Arc<Placer> {
+        &self.placer
     }
 
     pub fn validation(&self) -> &Validation {
@@ -299,6 +305,7 @@ impl Infer {
         let queued_at = Instant::now();
         let queue_deadline = self.max_queue_wait.map(|w| queued_at + w);
         let mut handles = Vec::with_capacity(n as usize);
+        let mut entries = Vec::with_capacity(n as usize);
         for i in 0..n {
             let mut request = request.clone();
             if n > 1 {
@@ -318,9 +325,7 @@ impl Infer {
                 queue_deadline,
                 group,
             };
-            self.queue_tx
-                .send(entry)
-                .map_err(|_| RouterError::Unhealthy("the scheduler has stopped".into()))?;
+            entries.push(entry);
             let text = TextStream::new(self.text.clone(), &request, queued_at);
             handles.push(StreamHandle {
                 permit: permit.clone(),
@@ -335,6 +340,7 @@ impl Infer {
                 pending: VecDeque::new(),
             });
         }
+        self.placer.place(entries)?;
         RouterState::add(&self.state.requests_total, 1);
         let input_len = request.input_ids.len() as u64;
         RouterState::add(&self.state.metrics.prompt_tokens_total, input_len);

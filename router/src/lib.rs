@@ -7,11 +7,13 @@ pub mod config;
 pub mod detokenize;
 pub mod error;
 pub mod grammar;
+pub mod groups;
 pub mod http;
 pub mod infer;
 pub mod kv;
 pub mod metrics;
 mod metrics_tier;
+pub mod placement;
 pub mod proto;
 pub mod queue;
 pub mod reasoning;
@@ -29,7 +31,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokenizers::Tokenizer;
-use tokio::sync::mpsc;
 
 use crate::client::ShardedClient;
 use crate::config::RouterConfig;
@@ -38,7 +39,7 @@ use crate::infer::Infer;
 use crate::kv::KvManager;
 use crate::proto::pb;
 use crate::scheduler::admission::Budget;
-use crate::scheduler::{AdmissionOrder, Scheduler, SchedulerConfig};
+use crate::scheduler::{AdmissionOrder, SchedulerConfig};
 use crate::state::RouterState;
 use crate::validation::{Limits, Validation};
 
@@ -50,39 +51,23 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         .map_err(|e| format!("cannot load {}: {e}", tokenizer_path.display()))?;
     let tokenizer = Arc::new(tokenizer);
 
-    let mut client = ShardedClient::connect(&config.shard_uds_paths, Duration::from_secs(600)).await?;
-    let shard_info = client.info().await.map_err(|e| format!("shard Info failed: {}", e.message()))?;
+    let warmup_request = pb::WarmupRequest {
+        max_batch_prefill_tokens: config.max_batch_prefill_tokens,
+        max_input_tokens: config.max_input_tokens,
+        max_total_tokens: config.max_total_tokens,
+        max_batch_size: config.max_batch_size,
+    };
+    let groups = groups::connect(&config.groups(), &config.shard_auth()?, &warmup_request).await?;
+    let shard_info = groups[0].info.clone();
     if shard_info.max_position_embeddings > 0 && config.max_total_tokens > shard_info.max_position_embeddings {
         return Err(format!(
             "max_total_tokens ({}) exceeds the model's max_position_embeddings ({})",
             config.max_total_tokens, shard_info.max_position_embeddings
         ));
     }
-    tracing::info!("warming up {} shard(s)", client.num_shards());
-    let warmup = client
-        .warmup(pb::WarmupRequest {
-            max_batch_prefill_tokens: config.max_batch_prefill_tokens,
-            max_input_tokens: config.max_input_tokens,
-            max_total_tokens: config.max_total_tokens,
-            max_batch_size: config.max_batch_size,
-        })
-        .await
-        .map_err(|e| format!("shard Warmup failed: {}", e.message()))?;
-    let mut kv = KvManager::new(warmup.num_blocks, warmup.block_size, config.prefix_caching);
-    if let Some(t) = warmup.kv_tier.as_ref() {
-        let cfg = crate::kv::TierConfig::from_warmup(t);
-        tracing::info!(
-            "second KV tier ({}): {} of {} blocks stored, load {:.3} ms/block vs recompute {:.3} ms/block{}",
-            t.kind,
-            t.keys.len(),
-            t.capacity_blocks,
-            cfg.costs.load_s() * 1e3,
-            cfg.costs.recompute_s(warmup.block_size) * 1e3,
-            if config.prefix_caching { "" } else { " (unused: prefix caching is off)" }
-        );
-        kv = kv.with_tier(cfg);
-    }
-    let kv_blocks = kv.capacity();
+    // Limits hold for every group: the smallest pool decides.
+    let warmup = groups.iter().map(|g| g.warmup.clone()).min_by_key(|w| w.num_blocks).expect("at least one group");
+    let kv_blocks = KvManager::new(warmup.num_blocks, warmup.block_size, config.prefix_caching).capacity();
     let pool_tokens = kv_blocks as u64 * warmup.block_size as u64;
     // One request at its longest (plus speculative slots) must always fit, or
     // preemption could not make progress. (Forks of `n`/`best_of` together
@@ -95,18 +80,20 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
     }
     let max_batch_total_tokens = config.max_batch_total_tokens.map_or(pool_tokens, |t| (t as u64).min(pool_tokens));
     tracing::info!(
-        "KV pool: {} blocks of {} tokens ({} tokens), max_batch_total_tokens {}, prefix caching {}",
-        kv.capacity(),
+        "{} shard group(s), routing {}; KV pool per group: {} blocks of {} tokens ({} tokens), max_batch_total_tokens {}, prefix caching {}",
+        groups.len(),
+        config.routing,
+        kv_blocks,
         warmup.block_size,
         pool_tokens,
         max_batch_total_tokens,
         if config.prefix_caching { "on" } else { "off" }
     );
 
-    let state = Arc::new(RouterState::default());
+    let state = Arc::new(RouterState::with_groups(groups.len()));
     state.healthy.store(true, Ordering::Relaxed);
-    RouterState::set(&state.kv_blocks_total, kv.capacity() as u64);
-    RouterState::set(&state.kv_blocks_free, kv.capacity() as u64);
+    RouterState::set(&state.kv_blocks_total, kv_blocks as u64 * groups.len() as u64);
+    RouterState::set(&state.kv_blocks_free, kv_blocks as u64 * groups.len() as u64);
     RouterState::set(&state.kv_block_size, warmup.block_size as u64);
 
     let budget = Budget {
@@ -114,7 +101,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         max_batch_total_tokens,
         max_batch_size: config.max_batch_size,
         // As vLLM: keep ~1% of the pool free at admission for running sequences to grow into.
-        watermark_blocks: (kv.capacity() / 100).max(1),
+        watermark_blocks: (kv_blocks / 100).max(1),
         prefill_chunk_tokens: config.prefill_chunk_tokens,
     };
     let scheduler_config = SchedulerConfig {
@@ -126,11 +113,12 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         max_running_per_tenant: (config.max_running_per_tenant > 0).then_some(config.max_running_per_tenant),
         sliding_window: shard_info.sliding_window,
     };
-    let (queue_tx, queue_rx) = mpsc::unbounded_channel();
-    let scheduler = Scheduler::new(client.clone(), kv, scheduler_config, queue_rx, state.clone());
-    // Alive from here, so that /health is right before the task first runs.
+    // Alive from here, so that /health is right before the tasks first run.
     state.scheduler_alive.store(true, Ordering::SeqCst);
-    let scheduler_task = tokio::spawn(scheduler.run());
+    let (placer, scheduler_tasks) =
+        groups::start(&groups, scheduler_config, config.prefix_caching, config.routing, &warmup_request, &state);
+    let clients: Vec<ShardedClient> = groups.iter().map(|g| g.client.clone()).collect();
+    let num_shards = clients[0].num_shards() as u32;
 
     let limits = Limits {
         max_input_tokens: config.max_input_tokens,
@@ -146,7 +134,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
     };
     let infer = Infer::new(
         Validation::new(tokenizer.clone(), limits),
-        queue_tx,
+        placer,
         config.max_concurrent_requests,
         (config.max_queue_wait_ms > 0).then(|| Duration::from_millis(config.max_queue_wait_ms)),
         state.clone(),
@@ -165,7 +153,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         model_device_type: shard_info.device_type.clone(),
         attention_backend: shard_info.attention_backend.clone(),
         model_impl: shard_info.model_impl.clone(),
-        num_shards: client.num_shards() as u32,
+        num_shards,
         max_input_tokens: config.max_input_tokens,
         max_total_tokens: config.max_total_tokens,
         max_batch_prefill_tokens: config.max_batch_prefill_tokens,
@@ -194,7 +182,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         infer,
         info: Arc::new(info),
         state,
-        client,
+        clients: Arc::new(clients),
         chat_template: Arc::new(chat_template),
         api_key: config.api_key.as_deref().map(Arc::from),
         tool_format,
@@ -247,7 +235,9 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         r = server => r.map_err(|e| e.to_string())?.map_err(|e| e.to_string())?,
         _ = hard_stop => tracing::warn!("shutdown timeout reached with requests still in flight"),
     }
-    scheduler_task.abort();
+    for t in scheduler_tasks {
+        t.abort();
+    }
     Ok(())
 }
 

@@ -179,6 +179,9 @@ pub fn render(st: &RouterState) -> String {
         scalar(&mut out, name, "counter", help, v);
     }
     crate::metrics_tier::render(st, &mut out);
+    scalar(&mut out, "pagemill_requeued_total", "counter",
+        "Sequences moved to another shard group when theirs failed", get(&st.requeued_total));
+    render_groups(st, &mut out);
     let name = "pagemill_http_requests_total";
     let _ = writeln!(out, "# HELP {name} HTTP responses by route and status\n# TYPE {name} counter");
     for ((route, status), n) in m.http.lock().unwrap_or_else(|e| e.into_inner()).iter() {
@@ -197,6 +200,31 @@ pub fn render(st: &RouterState) -> String {
         h.render(name, help, &mut out);
     }
     out
+}
+
+/// Per data-parallel group figures, labelled `group="0"`, `group="1"`...
+fn render_groups(st: &RouterState, out: &mut String) {
+    type Field = fn(&crate::state::GroupStats) -> f64;
+    let get = |v: &AtomicU64| RouterState::get(v) as f64;
+    let rows: [(&str, &str, &str, Field); 10] = [
+        ("pagemill_group_serving", "gauge", "1 while the shard group is in rotation", |g| g.serving() as u8 as f64),
+        ("pagemill_group_queue_size", "gauge", "Requests waiting for admission in the group", |g| RouterState::get(&g.queue_size) as f64),
+        ("pagemill_group_batch_size", "gauge", "Sequences in the group's running batch", |g| RouterState::get(&g.batch_size) as f64),
+        ("pagemill_group_kv_blocks_total", "gauge", "KV blocks of the group's pool", |g| RouterState::get(&g.kv_blocks_total) as f64),
+        ("pagemill_group_kv_blocks_free", "gauge", "KV blocks free (or evictable) in the group", |g| RouterState::get(&g.kv_blocks_free) as f64),
+        ("pagemill_group_kv_blocks_cached", "gauge", "KV blocks indexed by the group's prefix cache", |g| RouterState::get(&g.kv_blocks_cached) as f64),
+        ("pagemill_group_requests_placed_total", "counter", "Requests placed on the group", |g| RouterState::get(&g.placed_total) as f64),
+        ("pagemill_group_prefill_tokens_total", "counter", "Prompt tokens the group computed", |g| RouterState::get(&g.prefill_tokens_total) as f64),
+        ("pagemill_group_prefix_hit_tokens_total", "counter", "Prompt tokens the group served from its prefix cache", |g| RouterState::get(&g.prefix_hit_tokens_total) as f64),
+        ("pagemill_group_generated_tokens_total", "counter", "Tokens the group generated", |g| RouterState::get(&g.generated_tokens_total) as f64),
+    ];
+    let _ = get;
+    for (name, kind, help, f) in rows {
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}");
+        for (i, g) in st.groups.iter().enumerate() {
+            let _ = writeln!(out, "{name}{{group=\"{i}\"}} {}", f(g));
+        }
+    }
 }
 
 #[cfg(test)]
@@ -235,5 +263,16 @@ mod tests {
         assert!(text.contains("pagemill_http_requests_total{route=\"/generate\",status=\"200\"} 2\n"));
         assert!(text.contains("pagemill_http_requests_total{route=\"/v1/chat/completions\",status=\"422\"} 1\n"));
         assert!(text.contains("# TYPE pagemill_time_to_first_token_seconds histogram"));
+    }
+
+    #[test]
+    fn groups_are_labelled() {
+        let st = RouterState::with_groups(2);
+        RouterState::set(&st.groups[1].prefill_tokens_total, 42);
+        st.groups[0].serving.store(false, std::sync::atomic::Ordering::SeqCst);
+        let text = render(&st);
+        assert!(text.contains("pagemill_group_prefill_tokens_total{group=\"1\"} 42\n"), "{text}");
+        assert!(text.contains("pagemill_group_serving{group=\"0\"} 0\n"));
+        assert!(text.contains("pagemill_group_serving{group=\"1\"} 1\n"));
     }
 }

@@ -29,6 +29,8 @@ pub struct RouterState {
     pub preemptions_total: AtomicU64,
     /// Requests refused because they can never fit the KV pool or a batch.
     pub requests_too_large_total: AtomicU64,
+    /// Sequences moved to another shard group when theirs failed.
+    pub requeued_total: AtomicU64,
     /// Tokens computed again because preemption dropped their KV.
     pub recomputed_tokens_total: AtomicU64,
     /// Queued requests per `priority` value, ascending (empty levels left out).
@@ -56,9 +58,58 @@ pub struct RouterState {
     pub kv_tier_recompute_saved_ns_total: AtomicU64,
     /// Latency histograms and per-route counters, written by the HTTP side.
     pub metrics: crate::metrics::Metrics,
+    /// One entry per data-parallel shard group (`--data-parallel`); the
+    /// gauges above are their sums, the counters their totals.
+    pub groups: Vec<std::sync::Arc<GroupStats>>,
+}
+
+/// One shard group's live figures, written by its batching loop (and the
+/// placement layer for `pending_tokens` / `placed_total`), read by
+/// placement, `/info` and `/metrics`.
+#[derive(Debug, Default)]
+pub struct GroupStats {
+    /// In rotation: its loop runs and its last step answered.
+    pub serving: AtomicBool,
+    /// Prompt tokens placed on the group that its loop has not taken yet:
+    /// load the queue gauges cannot show until the next iteration.
+    pub pending_tokens: AtomicU64,
+    /// Prompt tokens still to compute of the group's queued requests.
+    pub queued_tokens: AtomicU64,
+    /// Tokens (prompt + generated) of its running sequences.
+    pub running_tokens: AtomicU64,
+    pub queue_size: AtomicU64,
+    pub batch_size: AtomicU64,
+    pub kv_blocks_total: AtomicU64,
+    /// Free plus cached-but-unused (evictable) blocks.
+    pub kv_blocks_free: AtomicU64,
+    pub kv_blocks_cached: AtomicU64,
+    pub kv_utilization_ppm: AtomicU64,
+    pub queue_by_priority: std::sync::Mutex<Vec<(i32, u64)>>,
+    pub placed_total: AtomicU64,
+    pub prefill_tokens_total: AtomicU64,
+    pub prefix_hit_tokens_total: AtomicU64,
+    pub generated_tokens_total: AtomicU64,
+}
+
+impl GroupStats {
+    pub fn serving(&self) -> bool {
+        self.serving.load(Ordering::SeqCst)
+    }
 }
 
 impl RouterState {
+    /// A state with `n` shard groups, all serving.
+    pub fn with_groups(n: usize) -> Self {
+        let groups = (0..n)
+            .map(|_| {
+                let g = GroupStats::default();
+                g.serving.store(true, Ordering::SeqCst);
+                std::sync::Arc::new(g)
+            })
+            .collect();
+        Self { groups, ..Default::default() }
+    }
+
     pub fn get(v: &AtomicU64) -> u64 {
         v.load(Ordering::Relaxed)
     }

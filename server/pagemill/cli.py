@@ -34,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     launch.add_argument("--model-id", default=None, help="name reported by the API")
     launch.add_argument("--num-shard", type=int, default=1,
                         help="tensor-parallel shards (one process each; on CUDA one GPU each)")
+    launch.add_argument("--data-parallel", type=int, default=1,
+                        help="data-parallel shard groups, each of --num-shard shards with its own KV pool and "
+                             "batching loop, behind one router (see --routing)")
     launch.add_argument("--cache-dir", default=None, help="where converted models live (~/.cache/pagemill)")
     add_dataclass_options(launch, ShardConfig, per_process=False, env_defaults=False)
     add_router_options(launch, table, launcher_sets=False)

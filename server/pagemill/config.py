@@ -22,7 +22,15 @@ class ShardConfig:
     # (docs/parallelism.md).
     model_dir: str = option(per_process=True,
                             help="Hugging Face model dir: config.json + *.safetensors (+ tokenizer files)")
-    uds_path: str = option(per_process=True, help="unix socket this shard serves gRPC on")
+    uds_path: str = option("", per_process=True, help="unix socket this shard serves gRPC on")
+    # shard/auth.py, docs/parallelism.md: a shard group on another host than its router.
+    listen: str | None = option(None, per_process=True,
+                                help="host:port to serve gRPC on over TCP instead of a unix socket (a router on "
+                                     "another host: pagemill router --shard-group); needs --shard-auth-token-file")
+    shard_auth_token_file: str | None = option(None, per_process=True,
+                                               help="file whose first line is the token every call must carry "
+                                                    "(the router's --shard-auth-token-file); calls without it are "
+                                                    "refused with UNAUTHENTICATED")
     rank: int = option(0, per_process=True, env="RANK", help="rank of this shard in its tensor-parallel group")
     world_size: int = option(1, per_process=True, env="WORLD_SIZE", help="shards in the tensor-parallel group")
     master_addr: str = option("127.0.0.1", per_process=True, env="MASTER_ADDR",

@@ -91,12 +91,14 @@ def _shard_healthy(uds_path: str) -> bool:
 
 
 def _threads_per_shard(a: argparse.Namespace) -> int:
-    """CPU shards of one group split the cores between them: each torch process
-    otherwise starts one thread per core, and N of them oversubscribe the machine
-    while they wait on each other at every collective."""
-    if a.num_threads > 0 or a.device != "cpu" or a.num_shard == 1:
+    """CPU shards split the cores between them: each torch process otherwise
+    starts one thread per core, and N of them oversubscribe the machine while
+    they wait on each other at every collective (or, across data-parallel
+    groups, at every step)."""
+    processes = a.num_shard * a.data_parallel
+    if a.num_threads > 0 or a.device != "cpu" or processes == 1:
         return a.num_threads
-    return max(1, (os.cpu_count() or 1) // a.num_shard)
+    return max(1, (os.cpu_count() or 1) // processes)
 
 
 def _router_healthy(host: str, port: int) -> bool:
@@ -113,6 +115,7 @@ class Launcher:
         self.children: list[Child] = []
         self.stopping = threading.Event()
         self.router: dict = {}  # the router's parsed config (RouterConfig's fields), once checked
+        self.shard_argv: dict[str, tuple[list[str], dict[str, str], int]] = {}  # name -> (argv, env, group)
 
     def _fail(self, child: Child) -> int:
         print(f"\npagemill: {child.name} exited with code {child.proc.returncode}; last lines:", file=sys.stderr)
@@ -149,26 +152,37 @@ class Launcher:
         dtype, why = resolve_dtype(a.dtype, a.device)
         _progress(f"pagemill: dtype {dtype} ({why})", final=True)
         sock_dir = tempfile.mkdtemp(prefix="pagemill-")
-        socks = [os.path.join(sock_dir, f"shard-{r}.sock") for r in range(a.num_shard)]
         if a.num_shard < 1:
             raise ValueError(f"--num-shard must be >= 1, got {a.num_shard}")
+        if a.data_parallel < 1:
+            raise ValueError(f"--data-parallel must be >= 1, got {a.data_parallel}")
+        groups = [[os.path.join(sock_dir, f"shard-{g}-{r}.sock" if a.data_parallel > 1 else f"shard-{r}.sock")
+                   for r in range(a.num_shard)] for g in range(a.data_parallel)]
+        socks = [s for group in groups for s in group]
         check_quantize(a.quantize, a.device.split(":")[0], a.num_shard)  # before any shard loads
         impl = choose_impl(model_dir, a.model_impl, a.num_shard, a.quantize)  # raises naming the architecture
         _progress(f"pagemill: {impl.architecture}: {impl.impl} implementation ({impl.why})", final=True)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        router_flags, router_vars = self._router_args(model_dir, socks)
+        router_flags, router_vars = self._router_args(model_dir, groups)
         threads = _threads_per_shard(a)
         draft = str(resolve_model(a.draft_model, cache_dir=cache_dir)) if a.draft_model else None  # a .gguf too
-        for rank, sock in enumerate(socks):
-            # torch.distributed's environment for a single-node group (the flags say the same;
-            # the env is what libraries inside the shard, e.g. NCCL, look at).
-            shard_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(a.num_shard),
-                             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.master_port))
-            cfg = replace(shard_config(a, model_dir, sock, rank, a.num_shard), master_addr="127.0.0.1",
-                          local_rank=rank, dtype=dtype, num_threads=threads, draft_model=draft)
-            argv = [sys.executable, "-m", "pagemill", "shard", *dataclass_argv(cfg)]
-            self.children.append(_spawn(f"shard {rank}", argv, shard_env))
-        dead = self._wait(f"loading model on {a.num_shard} shard(s)",
+
+        for g, group in enumerate(groups):
+            for rank, sock in enumerate(group):
+                # torch.distributed's environment for a single-node group (the flags say the same;
+                # the env is what libraries inside the shard, e.g. NCCL, look at). Each data-parallel
+                # group rendezvouses on its own port.
+                port = a.master_port + g
+                shard_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(a.num_shard),
+                                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                cfg = replace(shard_config(a, model_dir, sock, rank, a.num_shard), master_addr="127.0.0.1",
+                              master_port=port, local_rank=rank, dtype=dtype, num_threads=threads,
+                              draft_model=draft)
+                argv = [sys.executable, "-m", "pagemill", "shard", *dataclass_argv(cfg)]
+                name = f"shard {rank}" if a.data_parallel == 1 else f"shard {g}.{rank}"
+                self.shard_argv[name] = (argv, shard_env, g)
+                self.children.append(_spawn(name, argv, shard_env))
+        dead = self._wait(f"loading model on {len(socks)} shard(s)",
                           lambda: all(_shard_healthy(s) for s in socks))
         if dead is not None:
             return self._fail(dead)
@@ -186,11 +200,32 @@ class Launcher:
 
         while not self.stopping.wait(0.2):
             if (dead := self._dead()) is not None:
-                return self._fail(dead)
+                if dead.name == "router" or a.data_parallel == 1:
+                    return self._fail(dead)
+                self._restart_group(self.shard_argv[dead.name][2])
         self.stop()
         return 0
 
-    def _router_args(self, model_dir: str, socks: list[str]) -> tuple[list[str], dict[str, str]]:
+    def _restart_group(self, g: int) -> None:
+        """A shard of data-parallel group `g` died: the router has taken the group out of
+        rotation and moved its requests; restart every rank of the group (a tensor-parallel
+        group cannot lose one rank and go on), and the router re-admits it once it answers."""
+        names = {n for n, (_, _, grp) in self.shard_argv.items() if grp == g}
+        print(f"\npagemill: a shard of group {g} exited; restarting the group", file=sys.stderr, flush=True)
+        for c in [c for c in self.children if c.name in names]:
+            if c.proc.poll() is None:
+                c.proc.terminate()
+                try:
+                    c.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    c.proc.kill()
+                    c.proc.wait()
+            self.children.remove(c)
+        for name in sorted(names):
+            argv, shard_env, _ = self.shard_argv[name]
+            self.children.append(_spawn(name, argv, shard_env))
+
+    def _router_args(self, model_dir: str, groups: list[list[str]]) -> tuple[list[str], dict[str, str]]:
         """`pagemill router`'s flags and environment: the router options given to launch plus
         those the launcher sets. Parsed and checked by the router's own parser here, so that a bad
         one fails now rather than after the shards have loaded."""
@@ -198,8 +233,12 @@ class Launcher:
 
         a = self.args
         own = [*flag_value("--tokenizer-dir", model_dir), *flag_value("--model-id", a.model_id or Path(model_dir).name)]
-        for s in socks:
-            own += flag_value("--shard-uds-path", s)
+        if len(groups) == 1:
+            for s in groups[0]:
+                own += flag_value("--shard-uds-path", s)
+        else:
+            for group in groups:
+                own += flag_value("--shard-group", ",".join(group))
         given = getattr(a, ROUTER_OPTIONS)
         argv, env = router_env(given)
         secret = router_argv([(row, v) for row, v in given if row["env"]])

@@ -3,5 +3,5 @@
 mod shard;
 mod sharded;
 
-pub use shard::ShardClient;
+pub use shard::{ShardAddr, ShardAuth, ShardClient};
 pub use sharded::ShardedClient;

@@ -1,12 +1,11 @@
 //! Fan-out to every shard of a tensor-parallel group. Every shard gets every
 //! call; rank 0's answer is the one the router uses.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
 use futures::future::join_all;
 
-use super::ShardClient;
+use super::{ShardAddr, ShardAuth, ShardClient};
 use crate::proto::pb;
 
 #[derive(Debug, Clone)]
@@ -38,26 +37,31 @@ macro_rules! fan_out {
 }
 
 impl ShardedClient {
-    /// Connects to every socket, retrying until `timeout` (shards may still be loading).
-    pub async fn connect(paths: &[PathBuf], timeout: Duration) -> Result<Self, String> {
+    /// Connects to every shard, retrying until `timeout` (shards may still be
+    /// loading). A shard that refuses the credential fails at once.
+    pub async fn connect(addrs: &[ShardAddr], auth: &ShardAuth, timeout: Duration) -> Result<Self, String> {
         let deadline = tokio::time::Instant::now() + timeout;
-        let mut clients = Vec::with_capacity(paths.len());
-        for path in paths {
+        let mut clients = Vec::with_capacity(addrs.len());
+        for addr in addrs {
             loop {
-                match ShardClient::connect(path).await {
-                    Ok(mut c) => {
-                        if c.health().await.is_ok() {
+                match ShardClient::connect(addr, auth.clone()).await {
+                    Ok(mut c) => match c.health().await {
+                        Ok(_) => {
                             clients.push(c);
                             break;
                         }
-                    }
+                        Err(s) if s.code() == tonic::Code::Unauthenticated => {
+                            return Err(format!("shard at {addr} refused the router: {}", s.message()))
+                        }
+                        Err(_) => {}
+                    },
                     Err(e) if tokio::time::Instant::now() >= deadline => {
-                        return Err(format!("cannot connect to shard at {}: {e}", path.display()))
+                        return Err(format!("cannot connect to shard at {addr}: {e}"))
                     }
                     Err(_) => {}
                 }
                 if tokio::time::Instant::now() >= deadline {
-                    return Err(format!("shard at {} did not become healthy", path.display()));
+                    return Err(format!("shard at {addr} did not become healthy"));
                 }
                 tokio::time::sleep(Duration::from_millis(200)).await;
             }

@@ -64,7 +64,8 @@ pub struct AppState {
     pub infer: Infer,
     pub info: Arc<ServerInfo>,
     pub state: Arc<RouterState>,
-    pub client: ShardedClient,
+    /// One client per data-parallel shard group, in group order.
+    pub clients: Arc<Vec<ShardedClient>>,
     pub chat_template: Arc<LoadedTemplate>,
     pub api_key: Option<Arc<str>>,
     /// How tool calls are written and parsed (--tool-call-parser, or inferred from the template).

@@ -13,9 +13,12 @@ use super::{AppState, ServerInfo};
 use crate::error::{ErrorBody, RouterError};
 use crate::state::RouterState;
 
-/// 200 when the batching loop runs and every shard answers, 503 otherwise.
+/// 200 `{"status": "ok"}` when the batching loops run and every shard
+/// group serves; 200 `{"status": "degraded", "groups": [...]}` while some
+/// group is out of rotation and at least one serves; 503 when none does.
 #[utoipa::path(get, path = "/health", tag = "Ops",
-    responses((status = 200, description = "Shards answer"), (status = 503, description = "Unhealthy", body = ErrorBody)))]
+    responses((status = 200, description = "Shards answer (status ok, or degraded with per-group details)"),
+        (status = 503, description = "Unhealthy", body = ErrorBody)))]
 pub async fn health(State(app): State<AppState>) -> Result<Json<serde_json::Value>, RouterError> {
     if app.state.draining.load(Ordering::SeqCst) {
         return Err(RouterError::ShuttingDown("draining in-flight requests".into()));
@@ -23,22 +26,45 @@ pub async fn health(State(app): State<AppState>) -> Result<Json<serde_json::Valu
     if !app.state.scheduler_alive.load(Ordering::SeqCst) {
         return Err(RouterError::Unhealthy("the batching loop has stopped".into()));
     }
-    let mut client = app.client.clone();
     // A shard busy with a long forward still answers Health from its event loop.
-    match tokio::time::timeout(Duration::from_secs(10), client.health()).await {
-        Ok(Ok(_)) => {
-            app.state.healthy.store(true, Ordering::Relaxed);
-            Ok(Json(json!({"status": "ok"})))
+    let checks = app.clients.iter().map(|c| {
+        let mut c = c.clone();
+        async move {
+            match tokio::time::timeout(Duration::from_secs(10), c.health()).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(format!("shard unhealthy: {}", e.message())),
+                Err(_) => Err("shard health check timed out".to_string()),
+            }
         }
-        Ok(Err(e)) => {
-            app.state.healthy.store(false, Ordering::Relaxed);
-            Err(RouterError::Unhealthy(format!("shard unhealthy: {}", e.message())))
-        }
-        Err(_) => {
-            app.state.healthy.store(false, Ordering::Relaxed);
-            Err(RouterError::Unhealthy("shard health check timed out".into()))
-        }
+    });
+    let checks = futures::future::join_all(checks).await;
+    let groups: Vec<(bool, Option<String>)> = checks
+        .into_iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let in_rotation = app.state.groups.get(i).is_none_or(|g| g.serving());
+            match r {
+                Ok(()) if in_rotation => (true, None),
+                Ok(()) => (false, Some("out of rotation: its shards came back and are being warmed up".into())),
+                Err(e) => (false, Some(e)),
+            }
+        })
+        .collect();
+    let serving = groups.iter().filter(|g| g.0).count();
+    app.state.healthy.store(serving > 0, Ordering::Relaxed);
+    if serving == 0 {
+        let why = groups.iter().find_map(|g| g.1.clone()).unwrap_or_else(|| "no shard group".into());
+        return Err(RouterError::Unhealthy(why));
     }
+    if serving == groups.len() {
+        return Ok(Json(json!({"status": "ok"})));
+    }
+    let details: Vec<serde_json::Value> = groups
+        .iter()
+        .enumerate()
+        .map(|(i, (ok, why))| json!({"group": i, "serving": ok, "error": why}))
+        .collect();
+    Ok(Json(json!({"status": "degraded", "serving_groups": serving, "groups": details})))
 }
 
 /// Model, limits, and live KV / queue / batch numbers.
@@ -61,11 +87,34 @@ pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
         "kv_blocks_used": total.saturating_sub(free),
         "queue_size": RouterState::get(&st.queue_size),
         "batch_size": RouterState::get(&st.batch_size),
+        "requeued_total": RouterState::get(&st.requeued_total),
+        "data_parallel": st.groups.len().max(1),
+        "routing": app.infer.placer().routing().to_string(),
+        "groups": st.groups.iter().enumerate().map(|(i, g)| group_info(i, g)).collect::<Vec<_>>(),
     });
     if let (Some(obj), Some(extra)) = (v.as_object_mut(), live.as_object()) {
         obj.extend(extra.clone());
     }
     Json(v)
+}
+
+fn group_info(i: usize, g: &crate::state::GroupStats) -> serde_json::Value {
+    let get = RouterState::get;
+    json!({
+        "group": i,
+        "serving": g.serving(),
+        "queue_size": get(&g.queue_size),
+        "batch_size": get(&g.batch_size),
+        "queued_tokens": get(&g.queued_tokens) + get(&g.pending_tokens),
+        "running_tokens": get(&g.running_tokens),
+        "kv_blocks_total": get(&g.kv_blocks_total),
+        "kv_blocks_free": get(&g.kv_blocks_free),
+        "kv_blocks_cached": get(&g.kv_blocks_cached),
+        "requests_placed_total": get(&g.placed_total),
+        "prefill_tokens_total": get(&g.prefill_tokens_total),
+        "prefix_hit_tokens_total": get(&g.prefix_hit_tokens_total),
+        "generated_tokens_total": get(&g.generated_tokens_total),
+    })
 }
 
 /// Prometheus text format, `pagemill_*` names.
@@ -83,7 +132,6 @@ mod tests {
     use tokenizers::Tokenizer;
 
     use super::*;
-    use crate::client::ShardedClient;
     use crate::infer::Infer;
     use crate::stream::TextContext;
     use crate::validation::{Limits, Validation};
@@ -106,9 +154,10 @@ mod tests {
             speculate: 0,
         };
         let (queue_tx, _) = tokio::sync::mpsc::unbounded_channel();
+        let placer = Arc::new(crate::placement::Placer::single(queue_tx, crate::kv::KvManager::new(16, 4, true), &state));
         let infer = Infer::new(
             Validation::new(tokenizer.clone(), limits),
-            queue_tx,
+            placer,
             1,
             None,
             state.clone(),
@@ -118,7 +167,7 @@ mod tests {
             infer,
             info: Arc::new(ServerInfo::default()),
             state,
-            client: ShardedClient::disconnected(),
+            clients: Arc::new(vec![]),
             chat_template: Arc::new(Err("none".into())),
             api_key: None,
             tool_format: crate::tools::ToolCallParser::Hermes,

@@ -102,6 +102,24 @@ impl KvManager {
         self
     }
 
+    /// The manager for a shard group's pool as its Warmup reply describes it,
+    /// with the second tier when the shard has one.
+    pub fn for_warmup(warmup: &crate::proto::pb::WarmupResponse, prefix_caching: bool) -> Self {
+        let kv = Self::new(warmup.num_blocks, warmup.block_size, prefix_caching);
+        let Some(t) = warmup.kv_tier.as_ref() else { return kv };
+        let cfg = TierConfig::from_warmup(t);
+        tracing::info!(
+            "second KV tier ({}): {} of {} blocks stored, load {:.3} ms/block vs recompute {:.3} ms/block{}",
+            t.kind,
+            t.keys.len(),
+            t.capacity_blocks,
+            cfg.costs.load_s() * 1e3,
+            cfg.costs.recompute_s(warmup.block_size) * 1e3,
+            if prefix_caching { "" } else { " (unused: prefix caching is off)" }
+        );
+        kv.with_tier(cfg)
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }

@@ -8,6 +8,7 @@
 pub mod admission;
 mod order;
 pub mod plan;
+mod recover;
 mod run;
 pub mod sequence;
 pub mod state;
@@ -22,8 +23,11 @@ mod tests;
 mod tests_priority;
 #[cfg(test)]
 mod tests_tier;
+#[cfg(test)]
+mod tests_requeue;
 
 pub use plan::{schedule, StepPlan};
+pub use recover::is_group_down;
 pub use run::Scheduler;
 pub use state::State;
 pub use update::update;

@@ -1,6 +1,9 @@
-//! The batching loop: the only place the scheduler awaits. Each iteration
-//! takes new requests, drops those whose stream went away, plans a step,
-//! sends it to the shards, applies the reply and delivers the events.
+//! The batching loop of one shard group: the only place the scheduler
+//! awaits. Each iteration takes new requests, drops those whose stream went
+//! away, plans a step, sends it to the group's shards, applies the reply and
+//! delivers the events. A group whose shards stop answering leaves rotation,
+//! hands its sequences to the other groups (recover.rs) and comes back once
+//! its shards answer again.
 
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
@@ -15,19 +18,27 @@ use super::update::{is_terminal, update, Event};
 use super::SchedulerConfig;
 use crate::client::ShardedClient;
 use crate::error::RouterError;
-use crate::kv::KvManager;
-use crate::queue::{Entry, ResponseTx};
-use crate::state::RouterState;
+use crate::placement::{Arrival, Placer};
+use crate::proto::pb;
+use crate::queue::ResponseTx;
+use crate::state::{GroupStats, RouterState};
 
-const IDLE_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
+pub(super) const IDLE_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
 
 pub struct Scheduler {
-    client: ShardedClient,
-    state: State,
-    rx: mpsc::UnboundedReceiver<Entry>,
+    pub(super) client: ShardedClient,
+    pub(super) state: State,
+    pub(super) rx: mpsc::UnboundedReceiver<Arrival>,
     /// The stream of every queued or running request.
-    streams: HashMap<u64, ResponseTx>,
-    router: Arc<RouterState>,
+    pub(super) streams: HashMap<u64, ResponseTx>,
+    pub(super) router: Arc<RouterState>,
+    /// The placement layer (to hand sequences on when this group fails) and
+    /// this group's index in it.
+    pub(super) placer: Arc<Placer>,
+    pub(super) index: usize,
+    pub(super) stats: Arc<GroupStats>,
+    /// What the group's shards are warmed up with, again when they come back.
+    pub(super) warmup: pb::WarmupRequest,
 }
 
 /// Marks the loop dead when it ends, returns or panics (Drop runs while
@@ -44,21 +55,30 @@ impl Drop for AliveGuard {
 }
 
 impl Scheduler {
+    /// The loop of group `index` of `placer`, whose KV manager it takes.
     pub fn new(
         client: ShardedClient,
-        kv: KvManager,
         config: SchedulerConfig,
-        rx: mpsc::UnboundedReceiver<Entry>,
+        rx: mpsc::UnboundedReceiver<Arrival>,
+        placer: Arc<Placer>,
+        index: usize,
         router: Arc<RouterState>,
+        warmup: pb::WarmupRequest,
     ) -> Self {
-        Self { client, state: State::new(config, kv), rx, streams: HashMap::new(), router }
+        let (kv, stats) = placer.group(index);
+        Self { client, state: State::new(config, kv), rx, streams: HashMap::new(), router, placer, index, stats, warmup }
     }
 
     pub async fn run(mut self) {
         self.router.scheduler_alive.store(true, Ordering::SeqCst);
         let _alive = AliveGuard(self.router.clone());
         loop {
-            // Idle, with nothing to tell the shard: not even tier saves of the blocks just committed.
+            if !self.stats.serving() {
+                if !self.recover().await {
+                    break;
+                }
+                continue;
+            }
             if self.state.is_idle() && self.state.finished.is_empty() && !self.state.kv.has_tier_ops() {
                 match self.rx.recv().await {
                     Some(e) => self.enqueue(e),
@@ -90,14 +110,17 @@ impl Scheduler {
             RouterState::add(&self.router.prefill_tokens_total, plan.prompt_tokens);
             RouterState::add(&self.router.prefix_hit_tokens_total, plan.prefix_hit_tokens);
             RouterState::add(&self.router.kv_tier_hit_tokens_total, plan.tier_hit_tokens);
+            RouterState::add(&self.stats.prefill_tokens_total, plan.prompt_tokens);
+            RouterState::add(&self.stats.prefix_hit_tokens_total, plan.prefix_hit_tokens);
             let started = Instant::now();
-            match self.client.step(plan.request.clone()).await {
+            match self.step_watched(plan.request.clone()).await {
                 Ok(resp) => {
                     let (events, stats) = update(&mut self.state, &plan, &resp);
                     if stats.unknown_ids > 0 {
                         tracing::warn!("the shard answered {} request id(s) it was not asked for", stats.unknown_ids);
                     }
                     RouterState::add(&self.router.generated_tokens_total, stats.generated_tokens);
+                    RouterState::add(&self.stats.generated_tokens_total, stats.generated_tokens);
                     RouterState::add(&self.router.kv_window_released_blocks_total, stats.window_released_blocks);
                     self.count_tier(&resp, stats.tier_loaded_blocks, stats.tier_failed_loads);
                     if plan.has_decode() {
@@ -107,15 +130,25 @@ impl Scheduler {
                     }
                     self.deliver(events);
                 }
-                Err(status) => self.fail_all(RouterError::from(status)),
+                Err(status) => self.step_failed(status),
             }
             self.publish();
         }
     }
 
-    fn enqueue(&mut self, entry: Entry) {
-        self.streams.insert(entry.id, entry.response_tx.clone());
-        self.state.enqueue(entry);
+    pub(super) fn enqueue(&mut self, arrival: Arrival) {
+        let tokens = arrival.tokens();
+        let _ = self.stats.pending_tokens.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| Some(p.saturating_sub(tokens)));
+        match arrival {
+            Arrival::New(entry) => {
+                self.streams.insert(entry.id, entry.response_tx.clone());
+                self.state.enqueue(entry);
+            }
+            Arrival::Resume(s, tx) => {
+                self.streams.insert(s.id, tx);
+                self.state.resume(s);
+            }
+        }
     }
 
     /// Only finished ids or tier saves to tell: a step without work. False on failure.
@@ -127,7 +160,7 @@ impl Scheduler {
                 true
             }
             Err(status) => {
-                self.fail_all(RouterError::from(status));
+                self.step_failed(status);
                 false
             }
         }
@@ -185,7 +218,7 @@ impl Scheduler {
 
     /// A shard call failed: every running request gets the error; queued
     /// ones wait for the next step.
-    fn fail_all(&mut self, err: RouterError) {
+    pub(super) fn fail_all(&mut self, err: RouterError) {
         tracing::error!("shard step failed: {err}");
         self.router.healthy.store(false, Ordering::Relaxed);
         let ids = self.state.fail_running();
@@ -214,16 +247,25 @@ impl Scheduler {
         }
     }
 
-    fn publish(&self) {
-        let st = &self.router;
+    /// This group's gauges, then the router's: their sums over the groups.
+    pub(super) fn publish(&self) {
+        let g = &self.stats;
         let kv = self.state.kv.stats();
-        RouterState::set(&st.queue_size, self.state.queue.len() as u64);
-        *st.queue_by_priority.lock().unwrap_or_else(|e| e.into_inner()) = self.state.queue_by_priority();
-        RouterState::set(&st.batch_size, self.state.running.len() as u64);
-        RouterState::set(&st.kv_blocks_free, (kv.free + kv.cached_unused) as u64);
-        RouterState::set(&st.kv_blocks_cached, kv.cached as u64);
-        RouterState::set(&st.kv_utilization_ppm, self.state.kv_utilization_ppm());
+        RouterState::set(&g.queue_size, self.state.queue.len() as u64);
+        *g.queue_by_priority.lock().unwrap_or_else(|e| e.into_inner()) = self.state.queue_by_priority();
+        RouterState::set(&g.batch_size, self.state.running.len() as u64);
+        RouterState::set(&g.kv_blocks_total, kv.capacity as u64);
+        RouterState::set(&g.kv_blocks_free, (kv.free + kv.cached_unused) as u64);
+        RouterState::set(&g.kv_blocks_cached, kv.cached as u64);
+        RouterState::set(&g.kv_utilization_ppm, self.state.kv_utilization_ppm());
+        let queued: u64 = self.state.queue.iter().map(|s| s.tokens.len() as u64).sum();
+        let running: u64 = self.state.running.iter().map(|s| s.tokens.len() as u64).sum();
+        RouterState::set(&g.queued_tokens, queued);
+        RouterState::set(&g.running_tokens, running);
+        publish_totals(&self.router, g);
+        // The second tier's gauges are the router's (one tier per directory, not per group).
         if let Some(t) = self.state.kv.tier_stats() {
+            let st = &self.router;
             RouterState::set(&st.kv_tier_blocks, t.stored);
             RouterState::set(&st.kv_tier_block_bytes, t.block_bytes);
             RouterState::set(&st.kv_tier_hit_blocks_total, t.hit_blocks);
@@ -234,12 +276,34 @@ impl Scheduler {
     }
 }
 
+/// The router-wide gauges from the groups' (from `only` where the router
+/// has no group list: unit tests).
+fn publish_totals(st: &RouterState, only: &GroupStats) {
+    let one = [only];
+    let groups: Vec<&GroupStats> = if st.groups.is_empty() { one.to_vec() } else { st.groups.iter().map(|g| &**g).collect() };
+    let sum = |f: fn(&GroupStats) -> &std::sync::atomic::AtomicU64| groups.iter().map(|g| RouterState::get(f(g))).sum::<u64>();
+    RouterState::set(&st.queue_size, sum(|g| &g.queue_size));
+    RouterState::set(&st.batch_size, sum(|g| &g.batch_size));
+    RouterState::set(&st.kv_blocks_total, sum(|g| &g.kv_blocks_total));
+    RouterState::set(&st.kv_blocks_free, sum(|g| &g.kv_blocks_free));
+    RouterState::set(&st.kv_blocks_cached, sum(|g| &g.kv_blocks_cached));
+    RouterState::set(&st.kv_utilization_ppm, sum(|g| &g.kv_utilization_ppm) / groups.len() as u64);
+    let mut by: std::collections::BTreeMap<i32, u64> = Default::default();
+    for g in &groups {
+        for (p, n) in g.queue_by_priority.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+            *by.entry(*p).or_default() += n;
+        }
+    }
+    *st.queue_by_priority.lock().unwrap_or_else(|e| e.into_inner()) = by.into_iter().collect();
+}
+
 #[cfg(test)]
 mod tests {
     use std::time::Duration;
 
     use super::*;
     use crate::scheduler::admission::Budget;
+    use crate::kv::KvManager;
     use crate::scheduler::AdmissionOrder;
 
     fn config() -> SchedulerConfig {
@@ -276,11 +340,17 @@ mod tests {
         let router = Arc::new(RouterState::default());
         let (tx, rx) = mpsc::unbounded_channel();
         let kv = KvManager::new(8, 4, true);
-        let task = tokio::spawn(Scheduler::new(ShardedClient::disconnected(), kv, config(), rx, router.clone()).run());
+        let placer = Arc::new(Placer::single(tx.clone(), kv, &router));
+        let sched = Scheduler::new(ShardedClient::disconnected(), config(), rx, placer.clone(), 0, router.clone(), Default::default());
+        let task = tokio::spawn(sched.run());
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(router.scheduler_alive.load(Ordering::SeqCst));
+        // The placer holds the loop's sender (and the loop the placer): the
+        // router ends the loops by aborting them.
         drop(tx);
-        task.await.unwrap();
+        drop(placer);
+        task.abort();
+        assert!(task.await.unwrap_err().is_cancelled());
         assert!(alive_turns_false(&router).await);
     }
 

@@ -46,6 +46,38 @@ impl State {
         self.queue.push_back(s);
     }
 
+    /// A sequence moved here from a failed group: it waits in the queue
+    /// like a preempted one (it keeps its tokens, so it resumes by recompute).
+    pub fn resume(&mut self, mut s: Sequence) {
+        self.arrivals += 1;
+        s.arrival = self.arrivals;
+        self.queue.push_back(s);
+    }
+
+    /// The group's shards are gone: every sequence leaves, running ones
+    /// reset as by preemption (their KV died with the shard, so nothing goes
+    /// to the prefix cache), queued ones as they are. Nothing is left for
+    /// the shard to forget.
+    pub fn evacuate(&mut self) -> Vec<Sequence> {
+        let running = std::mem::take(&mut self.running);
+        let mut out: Vec<Sequence> = running
+            .into_iter()
+            .map(|s| {
+                let mut s = self.release(s, false);
+                s.lost = s.num_computed;
+                s.preemptions += 1;
+                s.num_computed = 0;
+                s.sent_blocks = 0;
+                s.prefilled = false;
+                s
+            })
+            .collect();
+        out.extend(self.queue.drain(..));
+        self.finished.clear();
+        out.sort_by_key(|s| s.arrival);
+        out
+    }
+
     pub fn is_idle(&self) -> bool {
         self.queue.is_empty() && self.running.is_empty()
     }

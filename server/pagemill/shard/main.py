@@ -1,4 +1,4 @@
-"""Shard process entry point: load the model, serve gRPC on a unix socket."""
+"""Shard process entry point: load the model, serve gRPC on a unix socket (or on TCP with a token)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from pagemill.config import ShardConfig
 from pagemill.parallel.group import ParallelConfig, ParallelGroup, rank_device
+from pagemill.shard.auth import TokenAuth, read_token
 from pagemill.shard.engine import ModelRunner
 from pagemill.shard.service import ShardService, new_model_thread
 
@@ -29,6 +30,12 @@ def serve(config: ShardConfig) -> None:
     """Blocks until SIGTERM/SIGINT, then stops the server and removes the socket."""
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not config.uds_path and not config.listen:
+        raise ValueError("a shard serves on --uds-path or --listen host:port")
+    if config.listen and not config.shard_auth_token_file:
+        raise ValueError("--listen (TCP) needs --shard-auth-token-file: the router's calls are authenticated")
+    # Read before loading: a missing token file fails in a second, not after the model loads.
+    token = read_token(config.shard_auth_token_file) if config.shard_auth_token_file else None
     # Rendezvous first (cheap), then load: every rank loads only its slices.
     group = ParallelGroup.init(
         ParallelConfig(
@@ -40,7 +47,8 @@ def serve(config: ShardConfig) -> None:
     model_thread = new_model_thread()
     try:
         runner = model_thread.submit(_load, config, group).result()
-        asyncio.run(serve_runner(runner, config.uds_path, model_thread=model_thread))
+        asyncio.run(serve_runner(runner, config.uds_path, model_thread=model_thread, listen=config.listen,
+                                 token=token))
     finally:
         group.destroy()
         model_thread.shutdown()
@@ -54,20 +62,28 @@ def _load(config: ShardConfig, group: ParallelGroup) -> ModelRunner:
 
 
 async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event | None = None,
-                       model_thread: ThreadPoolExecutor | None = None) -> None:  # fmt: skip
-    """Serves `runner` on unix://uds_path until `stop` is set (or a signal arrives).
-    model_thread: the thread that loaded `runner` (a new one if None)."""
-    if len(os.fsencode(uds_path)) > MAX_UDS_PATH:
-        raise ValueError(f"unix socket path is longer than {MAX_UDS_PATH} bytes: {uds_path}")
-    _remove_stale_socket(uds_path)
+                       model_thread: ThreadPoolExecutor | None = None, listen: str | None = None,
+                       token: bytes | None = None) -> None:  # fmt: skip
+    """Serves `runner` on unix://uds_path (or TCP `listen`, host:port) until `stop` is set (or
+    a signal arrives). token: every call must carry it (shard/auth.py). model_thread: the
+    thread that loaded `runner` (a new one if None)."""
+    if listen:
+        address = listen
+    else:
+        if len(os.fsencode(uds_path)) > MAX_UDS_PATH:
+            raise ValueError(f"unix socket path is longer than {MAX_UDS_PATH} bytes: {uds_path}")
+        _remove_stale_socket(uds_path)
+        address = f"unix://{uds_path}"
     server = grpc.aio.server(
+        interceptors=[TokenAuth(token)] if token else None,
         options=[
             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-        ]
+        ],
     )
     server.add_generic_rpc_handlers((ShardService(runner, model_thread).generic_handler(),))
-    server.add_insecure_port(f"unix://{uds_path}")
+    if server.add_insecure_port(address) == 0:
+        raise OSError(f"cannot listen on {address}")
     await server.start()
 
     stop = stop or asyncio.Event()
@@ -79,8 +95,8 @@ async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event |
             pass
     info = runner.info()
     log.info(
-        "shard %d/%d ready on unix://%s: model=%s dtype=%s device=%s attention=%s",
-        info.rank, info.world_size, uds_path, info.model_id, info.dtype, info.device_type, info.attention_backend,
+        "shard %d/%d ready on %s%s: model=%s dtype=%s device=%s attention=%s",
+        info.rank, info.world_size, address, " (token required)" if token else "", info.model_id, info.dtype, info.device_type, info.attention_backend,
     )  # fmt: skip
     try:
         await stop.wait()
@@ -89,7 +105,7 @@ async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event |
         await server.stop(grace=1.0)
         if runner.store is not None:
             runner.store.flush()  # blocks saved but not yet written: a restart finds them
-        if os.path.exists(uds_path):
+        if not listen and os.path.exists(uds_path):
             os.unlink(uds_path)
 
 

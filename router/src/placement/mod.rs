@@ -1,0 +1,11 @@
+//! Which data-parallel shard group a request runs on. The router owns every
+//! group's radix tree, so the prefix each group holds for a prompt is known
+//! exactly (no approximate shadow index, no KV event feed): `rule.rs` turns
+//! that and each group's load into a choice (a pure function), `placer.rs`
+//! gathers the figures and sends the request to the chosen group's loop.
+
+mod placer;
+pub mod rule;
+
+pub use placer::{Arrival, GroupHandle, Placer};
+pub use rule::{choose, GroupLoad, Routing};
