@@ -3,9 +3,10 @@
 //
 // Why: in bf16, torch runs silu, the multiply and rotary's six ops (two
 // multiplies, a negation, a concatenation, an add, the slices) as separate
-// passes, each widening and narrowing every element; on a 48-sequence decode
-// step of the default model they cost ~12 ms of CPU a step, as much as the
-// attention of 6 layers. Each pass here reads its inputs once.
+// passes, each widening and narrowing every element and each its own
+// parallel region (a barrier that waits on a descheduled thread when the
+// cores are shared). Each pass here reads its inputs once: at 48 rows, one
+// thread, silu*up 77 -> 66 us and rotary 65 -> 26 us per layer.
 //
 // The roundings are Hugging Face's bf16 modules' (each torch op rounds its
 // result to bf16): silu(g) rounded, then the product rounded; x*cos and
@@ -28,20 +29,11 @@ inline float round_bf16(float f) { return to_float(from_float<bf16>(f)); }
 inline float silu(float g) { return g / (1.f + expf(-g)); }
 
 #if defined(__AVX512F__)
-// float32 -> bf16 with round-to-nearest-even (NaN kept quiet), as from_float<bf16>.
-inline __m256i narrow16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-}
 inline __m512 round16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow16(v)), 16));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pagemill::narrow_bf16(v)), 16));
 }
 inline void store16(bf16* p, __m512 v, int64_t n) {
-  const __m256i b = narrow16(v);
+  const __m256i b = pagemill::narrow_bf16(v);
   if (n >= 16)
     _mm256_storeu_si256((__m256i*)p, b);
   else

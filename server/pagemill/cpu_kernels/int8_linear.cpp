@@ -40,6 +40,8 @@
 
 #include <vector>
 
+#include "vec.h"
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -207,16 +209,6 @@ inline float epilogue(const Args& a, int64_t m, int64_t n, int32_t acc) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-// 16 floats -> bf16, rounding to nearest even with NaN kept quiet: float_to_bf16 on each lane.
-inline __m256i narrow_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-  return _mm512_cvtepi32_epi16(r);
-}
-
 // Rows [m0, m0+MR) x blocks [b0, b0+NB). The accumulators must live in
 // registers: GCC 12 keeps them on the stack (a store and a load around every
 // vpdpbusd) unless the constant loops are unrolled early (the pragmas) and
@@ -260,7 +252,7 @@ void tile(const Args& a, int64_t m0, int64_t b0) {
       const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[m][j]), corr));
       const __m512 r = _mm512_fmadd_ps(v, _mm512_mul_ps(_mm512_set1_ps(a.x_scale[m0 + m]), ws), bias);
       if (a.bf16) {  // narrowed 16 at a time (a scalar loop here cost as much as the products at 64 rows)
-        _mm256_mask_storeu_epi16((uint16_t*)a.y + (m0 + m) * a.N + n, mask, narrow_bf16(r));
+        _mm256_mask_storeu_epi16((uint16_t*)a.y + (m0 + m) * a.N + n, mask, pagemill::narrow_bf16(r));
       } else {
         _mm512_mask_storeu_ps((float*)a.y + (m0 + m) * a.N + n, mask, r);
       }

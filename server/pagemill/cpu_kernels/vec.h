@@ -89,6 +89,16 @@ inline float dot(const float* a, const float* b, int64_t K) {
 }
 
 #if defined(__AVX512F__)
+// 16 floats -> bf16, rounding to nearest even with NaN kept quiet: from_float<bf16> on each lane.
+inline __m256i narrow_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
 // 16 elements (or the first n < 16, the rest zero) widened to float32.
 inline __m512 load16(const float* p, int64_t n = 16) {
   return n >= 16 ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
