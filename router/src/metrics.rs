@@ -142,7 +142,7 @@ pub fn render(st: &RouterState) -> String {
     }
     let counters: [(&str, &str, f64); 13] = [
         ("pagemill_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", get(&st.prefix_hit_tokens_total)),
-        ("pagemill_preemptions_total", "Sequences preempted when the KV pool ran out", get(&st.preemptions_total)),
+        ("pagemill_preemptions_total", "Sequences preempted when the KV pool ran out or for a better-priority arrival", get(&st.preemptions_total)),
         (
             "pagemill_kv_window_released_blocks_total",
             "KV blocks running sequences gave back behind a sliding window",

@@ -8,6 +8,7 @@ mod headers;
 pub mod openai;
 pub mod responses;
 mod ops;
+mod tenant;
 pub mod tgi;
 pub mod types;
 

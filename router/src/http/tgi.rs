@@ -19,6 +19,7 @@ use super::AppState;
 use crate::error::{ErrorBody, RouterError};
 use crate::infer::{GenerateInput, InferResponse, StreamHandle};
 use crate::stream::InferStreamResponse;
+use crate::http::tenant::Tenant;
 
 /// Generate text for a prompt (whole response at once).
 #[utoipa::path(post, path = "/generate", tag = "TGI", request_body = GenerateRequest,
@@ -31,7 +32,8 @@ use crate::stream::InferStreamResponse;
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
         (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
-pub async fn generate(State(app): State<AppState>, JsonBody(req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
+pub async fn generate(State(app): State<AppState>, tenant: Tenant, JsonBody(mut req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
+    tenant.fill(&mut req.parameters.user);
     let (headers, body) = run_generate(&app, req).await?;
     Ok((headers, Json(body)).into_response())
 }
@@ -46,7 +48,8 @@ pub async fn generate(State(app): State<AppState>, JsonBody(req): JsonBody<Gener
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
         (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
-pub async fn generate_stream(State(app): State<AppState>, JsonBody(req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
+pub async fn generate_stream(State(app): State<AppState>, tenant: Tenant, JsonBody(mut req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
+    tenant.fill(&mut req.parameters.user);
     run_generate_stream(&app, req).await
 }
 
@@ -65,8 +68,10 @@ pub async fn generate_stream(State(app): State<AppState>, JsonBody(req): JsonBod
     ))]
 pub async fn compat_generate(
     State(app): State<AppState>,
-    JsonBody(req): JsonBody<CompatGenerateRequest>,
+    tenant: Tenant,
+    JsonBody(mut req): JsonBody<CompatGenerateRequest>,
 ) -> Result<Response, RouterError> {
+    tenant.fill(&mut req.parameters.user);
     let inner = GenerateRequest { inputs: req.inputs, parameters: req.parameters };
     if req.stream {
         return run_generate_stream(&app, inner).await;

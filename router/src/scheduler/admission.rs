@@ -110,6 +110,12 @@ pub fn admit_chunked(
     Admission { whole, partial: None }
 }
 
+/// Whether `c` alone fits the batch's seats, tokens and KV blocks now
+/// (everything but this step's prefill budget, which chunking can meet).
+pub fn fits_resources(budget: &Budget, running: Running, c: &Candidate) -> bool {
+    Totals::from(running).fits_besides_prefill(budget, running, c)
+}
+
 /// Running totals during admission.
 struct Totals {
     seqs: u32,

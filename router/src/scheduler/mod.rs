@@ -8,6 +8,7 @@
 pub mod admission;
 mod order;
 pub mod plan;
+mod priority_preempt;
 mod recover;
 mod run;
 pub mod sequence;
@@ -21,6 +22,8 @@ mod fake_shard;
 mod tests;
 #[cfg(test)]
 mod tests_priority;
+#[cfg(test)]
+mod tests_priority_preempt;
 #[cfg(test)]
 mod tests_tier;
 #[cfg(test)]

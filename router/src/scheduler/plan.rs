@@ -14,6 +14,7 @@ use std::time::Instant;
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
 use super::sequence::Sequence;
 use super::state::State;
+use super::priority_preempt::preempt_for_priority;
 use super::tenant::hold_back_capped;
 use super::order::{order_queue, units};
 use super::too_large::{reject_never_admissible, too_large};
@@ -113,6 +114,9 @@ impl StepPlan {
 pub fn schedule(st: &mut State, now: Instant) -> StepPlan {
     let mut plan = StepPlan::default();
     reject_never_admissible(st, &mut plan);
+    let bumped = preempt_for_priority(st, now);
+    plan.preempted += bumped.len() as u32;
+    requeue(st, bumped);
     match st.config.max_num_batched_tokens {
         Some(budget) => {
             let used = schedule_decodes(st, &mut plan);
@@ -197,13 +201,17 @@ fn schedule_decodes(st: &mut State, plan: &mut StepPlan) -> u32 {
         i += 1;
     }
     plan.preempted += preempted.len() as u32;
-    // Back to the queue; admission orders it by priority and arrival, so
-    // they resume before anything that arrived after them.
+    requeue(st, preempted);
+    used
+}
+
+/// Preempted sequences back to the queue; admission orders it by priority
+/// and arrival, so they resume before anything that arrived after them.
+fn requeue(st: &mut State, mut preempted: Vec<Sequence>) {
     preempted.sort_by_key(|s| s.arrival);
     for s in preempted.into_iter().rev() {
         st.queue.push_front(s);
     }
-    used
 }
 
 /// Which running sequence to preempt so that `running[grow]` can grow: one
@@ -223,7 +231,7 @@ fn victim(running: &[Sequence], grow: usize) -> usize {
 
 /// Preemption by recompute: computed blocks go to the prefix cache, so on
 /// resume only what others have taken meanwhile is recomputed.
-fn preempt(st: &mut State, s: Sequence) -> Sequence {
+pub(super) fn preempt(st: &mut State, s: Sequence) -> Sequence {
     let mut s = st.release(s, true);
     tracing::debug!("preempted request {} after {} tokens", s.id, s.generated);
     s.lost = s.num_computed;
@@ -352,9 +360,14 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
 /// takes over the next `block_size` decode steps. Without it admission
 /// packs the pool to the brim and a newcomer is preempted (and its prompt
 /// recomputed) within a few steps, over and over.
-fn growth_budget(st: &State) -> Budget {
+pub(super) fn growth_budget(st: &State) -> Budget {
+    budget_with_running(st, st.running.len())
+}
+
+/// The growth budget as it is with `running` sequences in the batch.
+pub(super) fn budget_with_running(st: &State, running: usize) -> Budget {
     let per_step = 1 + st.config.speculate;
-    let growth = st.running.len() as u32 * per_step;
+    let growth = running as u32 * per_step;
     let mut budget = st.config.budget;
     budget.watermark_blocks = budget.watermark_blocks.saturating_add(growth);
     budget

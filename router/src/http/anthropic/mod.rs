@@ -20,6 +20,7 @@ use super::types::FinishReason;
 use super::AppState;
 use crate::error::{AnthropicErrorBody, RouterError};
 use types::{MessagesRequest, MessagesResponse, MessagesUsage, OutputBlock};
+use crate::http::tenant::Tenant;
 
 /// Anthropic's tool-use ids look like `toolu_...`; the random part is the call id's.
 pub fn tool_use_id(call_id: &str) -> String {
@@ -53,8 +54,13 @@ const FRAMING: Framing = Framing { error: error_event, done: false };
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = AnthropicErrorBody),
         (status = 503, description = "Shutting down (draining)", body = AnthropicErrorBody),
     ))]
-pub async fn messages(State(app): State<AppState>, JsonBody(req): JsonBody<MessagesRequest>) -> Result<Response, RouterError> {
-    let chat = convert::to_chat(&req)?;
+pub async fn messages(
+    State(app): State<AppState>,
+    tenant: Tenant,
+    JsonBody(req): JsonBody<MessagesRequest>,
+) -> Result<Response, RouterError> {
+    let mut chat = convert::to_chat(&req)?;
+    tenant.fill(&mut chat.sampling.user);
     let PreparedChat { input, plan, think, .. } = prepare(&app, &chat, None)?;
     let meta = ResponseMeta::new(&app, "msg");
 

@@ -17,6 +17,7 @@ use super::{logprobs, ResponseMeta};
 use crate::error::{OpenAiErrorBody, RouterError};
 use crate::http::extract::OpenAiJson;
 use crate::http::{headers, AppState};
+use crate::http::tenant::Tenant;
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())
@@ -99,8 +100,10 @@ pub fn render_prompt(app: &AppState, req: &ChatCompletionRequest) -> Result<Stri
     ))]
 pub async fn chat_completions(
     State(app): State<AppState>,
-    OpenAiJson(req): OpenAiJson<ChatCompletionRequest>,
+    tenant: Tenant,
+    OpenAiJson(mut req): OpenAiJson<ChatCompletionRequest>,
 ) -> Result<Response, RouterError> {
+    tenant.fill(&mut req.sampling.user);
     let want_logprobs = req.logprobs.unwrap_or(false);
     if req.top_logprobs.is_some() && !want_logprobs {
         return Err(invalid("`top_logprobs` requires `logprobs: true`"));

@@ -14,6 +14,7 @@ use crate::http::extract::OpenAiJson;
 use crate::http::types::PrefillToken;
 use crate::http::{headers, AppState};
 use crate::infer::GenerateInput;
+use crate::http::tenant::Tenant;
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())
@@ -33,8 +34,10 @@ fn invalid(msg: impl Into<String>) -> RouterError {
     ))]
 pub async fn completions(
     State(app): State<AppState>,
-    OpenAiJson(req): OpenAiJson<CompletionRequest>,
+    tenant: Tenant,
+    OpenAiJson(mut req): OpenAiJson<CompletionRequest>,
 ) -> Result<Response, RouterError> {
+    tenant.fill(&mut req.sampling.user);
     let tokenizer = app.infer.validation().tokenizer().clone();
     // The text of each prompt (for `echo`), and its token ids when given as ids.
     let prompts: Vec<(String, Option<Vec<u32>>)> = req

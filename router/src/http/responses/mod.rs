@@ -21,6 +21,7 @@ use super::types::FinishReason;
 use super::AppState;
 use crate::error::{OpenAiErrorBody, RouterError};
 use types::{ResponseObject, ResponsesRequest};
+use crate::http::tenant::Tenant;
 
 pub fn message_item(id: &str, text: &str, status: &str) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant",
@@ -100,8 +101,13 @@ fn finish(obj: &mut ResponseObject, reason: &FinishReason, input: u32, output: u
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = OpenAiErrorBody),
         (status = 503, description = "Shutting down (draining)", body = OpenAiErrorBody),
     ))]
-pub async fn responses(State(app): State<AppState>, JsonBody(req): JsonBody<ResponsesRequest>) -> Result<Response, RouterError> {
-    let chat = convert::to_chat(&req)?;
+pub async fn responses(
+    State(app): State<AppState>,
+    tenant: Tenant,
+    JsonBody(req): JsonBody<ResponsesRequest>,
+) -> Result<Response, RouterError> {
+    let mut chat = convert::to_chat(&req)?;
+    tenant.fill(&mut chat.sampling.user);
     let PreparedChat { input, plan, think, .. } = prepare(&app, &chat, None)?;
     let meta = ResponseMeta::new(&app, "resp");
     let mut obj = base(&req, &meta);
