@@ -37,6 +37,15 @@ def test_estimates_follow_the_load():
     assert c.estimate[2] > c.estimate[1] and c.pick() == 1
 
 
+def test_a_try_of_the_count_not_in_use_replaces_its_estimate():
+    c = ThreadChoice((2, 1))
+    c.record(2, 500)  # two threads were slow (shared cores): one is in use
+    c.record(1, 50)
+    c.record(1, 50)
+    c.record(2, 20)  # the load went away: one try is enough to switch back
+    assert c.estimate[2] == 20 and c.pick() == 2
+
+
 def test_one_configured_thread_has_nothing_to_compare():
     assert thread_counts(1) == (1,)
     assert thread_counts(4) == (4, 1)

@@ -35,9 +35,12 @@ class ThreadChoice:
         return choose(self.counts, self.estimate, self.steps)
 
     def record(self, threads: int, ns: int) -> None:
+        """A step's time. A try of the count not in use replaces its estimate (the one sample of
+        the present load it has), so the choice swings back within one try when the load drops."""
         self.steps += 1
         old = self.estimate.get(threads)
-        self.estimate[threads] = float(ns) if old is None else (1 - ALPHA) * old + ALPHA * ns
+        in_use = old is not None and old <= min(self.estimate.values())
+        self.estimate[threads] = (1 - ALPHA) * old + ALPHA * ns if in_use else float(ns)
 
 
 def choose(counts: tuple[int, ...], estimate: dict[int, float], steps: int) -> int:
