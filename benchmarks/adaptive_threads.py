@@ -55,7 +55,7 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     res = {m: {"median_ms": statistics.median(v), "mean_ms": statistics.fmean(v), "min_ms": min(v)}
            for m, v in times.items()}  # fmt: skip
-    choice = runner.thread_choice
+    choice = runner.thread_choices.get(a.batch_size)
     print(f"{a.dtype}, batch {a.batch_size}, {a.threads} threads, {a.rounds} rounds of {a.block} steps per mode")
     print("| mode | median ms | mean ms | min ms |\n| --- | ---: | ---: | ---: |")
     for m, r in res.items():

@@ -81,7 +81,7 @@ def test_tokens_do_not_depend_on_the_chosen_count(model_dir):
         assert torch.get_num_threads() == 2  # restored after every step
     finally:
         torch.set_num_threads(before)
-    assert set(runner.thread_choice.estimate) == {2, 1}  # both counts ran decode steps
+    assert set(runner.thread_choices[3].estimate) == {2, 1}  # both counts ran the 3-sequence decode steps
     for rid, r in ref.items():
         assert out[rid].ids == r.ids
         assert out[rid].logprobs == r.logprobs  # bit for bit: each row is one thread's work

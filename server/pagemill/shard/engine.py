@@ -117,7 +117,8 @@ class ModelRunner:
         self.grammars = GrammarCompiler(model_dir, config.vocab_size, config.eos_token_ids)
         self.masker = GrammarMasker(config.vocab_size, self.device)
         self.adaptive_threads = adaptive_threads and self.device.type == "cpu" and self.world_size == 1
-        self.thread_choice: ThreadChoice | None = None  # made on the first eligible step (model thread)
+        # Per batch size (the step time grows with it), made on its first eligible step.
+        self.thread_choices: dict[int, ThreadChoice] = {}
 
     @classmethod
     def from_shard_config(cls, cfg: ShardConfig, group: ParallelGroup | None = None) -> "ModelRunner":
@@ -273,9 +274,10 @@ class ModelRunner:
         fused = getattr(getattr(self.model, "model", None), "fused", None)
         if fused is None or self.kv_dtype != fused.dtype or len(live) > fused.max_batch or not is_decode_step(live):
             return None
-        if self.thread_choice is None:
-            self.thread_choice = ThreadChoice(thread_counts(torch.get_num_threads()))
-        return self.thread_choice if len(self.thread_choice.counts) > 1 else None
+        choice = self.thread_choices.get(len(live))
+        if choice is None:
+            choice = self.thread_choices[len(live)] = ThreadChoice(thread_counts(torch.get_num_threads()))
+        return choice if len(choice.counts) > 1 else None
 
     def _compile_grammar(self, r: RequestState, new) -> None:
         if not new.HasField("grammar"):
