@@ -52,6 +52,9 @@ class ShardConfig:
     gpu_memory_utilization: float = option(0.9, help="share of the GPU's free memory the shard may use (CUDA)")
     attention: str = option("auto", choices=("auto", "flash", "triton", "torch"), help="attention backend")
     num_threads: int = option(0, help="torch threads per shard (0: torch default)")
+    # shard/threads.py, docs/cpu.md
+    adaptive_threads: bool = option(True, help="run small fused CPU decode steps with all threads or one, "
+                                               "whichever measures faster (shared cores stall OpenMP barriers)")
     speculate: int = option(0, help="speculative tokens proposed and verified per decode step (0: off)")
     speculate_method: str = option("ngram", choices=("ngram", "draft"),
                                    help="ngram: prompt lookup, no second model; draft: a smaller model (--draft-model)")

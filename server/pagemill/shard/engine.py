@@ -42,6 +42,7 @@ from pagemill.shard.prompt_logprobs import prompt_logprobs
 from pagemill.shard.requests import Entry, Limits, RequestState, apply_step, check_step
 from pagemill.shard.speculation import num_proposals, propose, verify_step
 from pagemill.shard.step_inputs import build_inputs, is_decode_step
+from pagemill.shard.threads import ThreadChoice, thread_counts
 from pagemill.shard.kv_pool import KVPool
 from pagemill.shard.kv_tier import TierOptions, TierResult, open_tier, run_ops
 from pagemill.shard.warmup import allocate_pools, cuda_budget, dummy_steps
@@ -75,8 +76,11 @@ class ModelRunner:
         kv_cache_dtype: str = "auto",
         cpu_kernels: bool = False,
         kv_offload: TierOptions = TierOptions(),
+        adaptive_threads: bool = False,
     ) -> None:
-        """cpu_kernels: sample plain greedy batches with the compiled kernel (cpu_kernels/greedy.cpp)."""
+        """cpu_kernels: sample plain greedy batches with the compiled kernel (cpu_kernels/greedy.cpp).
+        adaptive_threads: run small fused CPU decode steps with all threads or one, whichever
+        measures faster (shard/threads.py)."""
         self.model, self.config = model, config
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
@@ -112,6 +116,9 @@ class ModelRunner:
         self.model_dir = model_dir  # the KV tier namespace reads its files
         self.grammars = GrammarCompiler(model_dir, config.vocab_size, config.eos_token_ids)
         self.masker = GrammarMasker(config.vocab_size, self.device)
+        self.adaptive_threads = adaptive_threads and self.device.type == "cpu" and self.world_size == 1
+        # Per batch size (the step time grows with it), made on its first eligible step.
+        self.thread_choices: dict[int, ThreadChoice] = {}
 
     @classmethod
     def from_shard_config(cls, cfg: ShardConfig, group: ParallelGroup | None = None) -> "ModelRunner":
@@ -147,6 +154,7 @@ class ModelRunner:
             kv_cache_dtype=cfg.kv_cache_dtype,
             cpu_kernels=cfg.cpu_kernels,
             kv_offload=TierOptions(cfg.kv_offload_dir, cfg.kv_offload_disk, cfg.kv_offload_memory),
+            adaptive_threads=cfg.adaptive_threads,
         )
 
     # --- static facts and liveness -------------------------------------------------
@@ -238,8 +246,19 @@ class ModelRunner:
         live = [e for e in entries if e.state is not None]
         emitted, prompt_lps = {}, {}
         if live:
-            with self._guard():
-                emitted, prompt_lps = self._compute(live)
+            choice = self._thread_choice(live)
+            threads = choice.pick() if choice is not None else 0
+            configured = torch.get_num_threads()
+            if threads and threads != configured:
+                torch.set_num_threads(threads)
+            try:
+                with self._guard():
+                    emitted, prompt_lps = self._compute(live)
+            finally:
+                if threads and threads != configured:
+                    torch.set_num_threads(configured)
+            if choice is not None:
+                choice.record(threads, time.perf_counter_ns() - start)
         generations = []
         for e in entries:
             gen, keep = advance(e, emitted.get(e.id), prompt_lps.get(e.id), self.eos_ids)
@@ -247,6 +266,18 @@ class ModelRunner:
                 self.requests.pop(e.id, None)
             generations.append(gen)
         return StepResult(generations, time.perf_counter_ns() - start, tier)
+
+    def _thread_choice(self, live: list[Entry]) -> ThreadChoice | None:
+        """The thread-count chooser where this step is a small fused decode, else None."""
+        if not self.adaptive_threads or self.speculate:
+            return None
+        fused = getattr(getattr(self.model, "model", None), "fused", None)
+        if fused is None or self.kv_dtype != fused.dtype or len(live) > fused.max_batch or not is_decode_step(live):
+            return None
+        choice = self.thread_choices.get(len(live))
+        if choice is None:
+            choice = self.thread_choices[len(live)] = ThreadChoice(thread_counts(torch.get_num_threads()))
+        return choice if len(choice.counts) > 1 else None
 
     def _compile_grammar(self, r: RequestState, new) -> None:
         if not new.HasField("grammar"):
