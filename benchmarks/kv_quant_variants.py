@@ -67,23 +67,34 @@ VARIANTS = {
 
 
 @torch.inference_mode()
-def greedy(model, pool, ids: list[int], max_new: int) -> dict:
-    bs = pool.block_size
-    table = list(range(1, 1 + -(-(len(ids) + max_new) // bs)))
-    slot = lambda p: table[p // bs] * bs + p % bs  # noqa: E731
-    n = len(ids)
-    meta = make_metadata(is_prefill=True, query_lens=[n], kv_lens=[n], block_tables=[table],
-                         slot_mapping=[slot(p) for p in range(n)], device="cpu")  # fmt: skip
-    hidden = model(torch.tensor(ids), torch.arange(n), meta, pool.kv_caches)
-    tokens, logprobs = [], []
-    for p in range(n, n + max_new):
-        lp = torch.log_softmax(model.compute_logits(hidden[-1:]).float()[0], -1)
-        t = int(lp.argmax())
-        tokens.append(t), logprobs.append(float(lp[t]))
-        meta = make_metadata(is_prefill=False, query_lens=[1], kv_lens=[p + 1], block_tables=[table],
-                             slot_mapping=[slot(p)], device="cpu")  # fmt: skip
-        hidden = model(torch.tensor([t]), torch.tensor([p]), meta, pool.kv_caches)
-    return {"tokens": tokens, "logprobs": logprobs}
+def greedy(model, pool, texts: list[list[int]], max_new: int) -> list[dict]:
+    """All prompts as one prefill, then batched greedy decode steps (one weight pass per step)."""
+    bs, tables, nxt = pool.block_size, [], 1
+    for ids in texts:
+        n = -(-(len(ids) + max_new) // bs)
+        tables.append(list(range(nxt, nxt + n)))
+        nxt += n
+    slot = lambda i, p: tables[i][p // bs] * bs + p % bs  # noqa: E731
+    lens = [len(ids) for ids in texts]
+    meta = make_metadata(is_prefill=True, query_lens=lens, kv_lens=lens, block_tables=tables,
+                         slot_mapping=[slot(i, p) for i, n in enumerate(lens) for p in range(n)],
+                         device="cpu")  # fmt: skip
+    ids = torch.tensor([t for seq in texts for t in seq])
+    positions = torch.tensor([p for n in lens for p in range(n)])
+    hidden = model(ids, positions, meta, pool.kv_caches)
+    last = hidden[torch.tensor(lens).cumsum(0) - 1]
+    outs = [{"tokens": [], "logprobs": []} for _ in texts]
+    for step in range(max_new):
+        lp = torch.log_softmax(model.compute_logits(last).float(), -1)
+        chosen = lp.argmax(-1)
+        for i, o in enumerate(outs):
+            o["tokens"].append(int(chosen[i])), o["logprobs"].append(float(lp[i, chosen[i]]))
+        pos = [n + step for n in lens]
+        meta = make_metadata(is_prefill=False, query_lens=[1] * len(texts), kv_lens=[p + 1 for p in pos],
+                             block_tables=tables, slot_mapping=[slot(i, p) for i, p in enumerate(pos)],
+                             device="cpu")  # fmt: skip
+        last = model(chosen, torch.tensor(pos), meta, pool.kv_caches)
+    return outs
 
 
 def main() -> None:
@@ -100,16 +111,15 @@ def main() -> None:
     tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
     texts = [tok.encode(t).ids for t in prompts(args.prompts, args.prompt_words)]
     model, config = load_model(str(model_dir), "float32", cpu_kernels=False)
-    longest = max(map(len, texts)) + args.max_tokens
-    pool = KVPool.with_blocks(config, num_blocks=2 + -(-longest // 16), block_size=16, dtype=torch.float32,
-                              device="cpu")  # fmt: skip
+    blocks = sum(-(-(len(ids) + args.max_tokens) // 16) for ids in texts)
+    pool = KVPool.with_blocks(config, num_blocks=1 + blocks, block_size=16, dtype=torch.float32, device="cpu")
     write_rows = torch_backend.write_rows
     runs = []
     for name in args.variants.split(","):
         rnd = VARIANTS[name]
         torch_backend.write_rows = lambda rows, slots, x, rnd=rnd: write_rows(rows, slots, rnd(x.float()))
         t = time.perf_counter()
-        outs = [greedy(model, pool, ids, args.max_tokens) for ids in texts]
+        outs = greedy(model, pool, texts, args.max_tokens)
         runs.append({"kv_cache_dtype": name, "blocks": 1.0, "outputs": outs})
         print(f"{name}: {time.perf_counter() - t:.0f} s", file=sys.stderr)
     torch_backend.write_rows = write_rows
