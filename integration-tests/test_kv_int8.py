@@ -16,7 +16,7 @@ INT8_BLOCK_BYTES = 2 * 30 * 3 * (64 + 4) * 16
 
 def greedy(server, prompt):
     r = httpx.post(f"{server.url}/generate", timeout=600, json={
-        "inputs": prompt, "parameters": {"max_new_tokens": NEW, "details": True, "decoder_input_details": False}})
+        "inputs": prompt, "parameters": {"max_new_tokens": NEW, "details": True, "ignore_eos_token": True}})
     assert r.status_code == 200, r.text
     return [t["id"] for t in r.json()["details"]["tokens"]]
 
@@ -35,8 +35,10 @@ def test_int8_kv_cache_serves_greedy_output(default_model_dir):
     assert blocks["int8"] == (64 << 20) // INT8_BLOCK_BYTES - 1
     assert blocks["int8"] >= 1.85 * blocks["auto"]
     assert all(len(o) == NEW for o in outputs["int8"])
-    # Greedy text tracks the bf16 cache: the tokens before each continuation's first divergence
-    # (docs/kv_cache.md states the measured agreement on longer prompts).
+    # Greedy text tracks the bf16 cache: every first token (one prefill), and the tokens before
+    # each continuation's first divergence (docs/kv_cache.md states the agreement measured on
+    # longer prompts: int8 flips near-ties of this 135M model within tens of tokens).
+    assert [o[0] for o in outputs["int8"]] == [o[0] for o in outputs["auto"]]
     agree = 0
     for a, b in zip(outputs["auto"], outputs["int8"]):
         k = 0
