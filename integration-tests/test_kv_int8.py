@@ -49,4 +49,4 @@ def test_int8_kv_cache_serves_greedy_output(default_model_dir):
     assert agree >= AGREEMENT_MIN * NEW * len(PROMPTS)
 
 
-AGREEMENT_MIN = 0.5
+AGREEMENT_MIN = 0.5  # measured 74/96 (0.77) on 2026-12-04
