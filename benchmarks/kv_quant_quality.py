@@ -3,7 +3,7 @@
     python benchmarks/kv_quant_quality.py --json kv_quant_quality.json
 
 Launches `pagemill launch` on the default model once per --kv-cache-dtype
-(auto = the model dtype, bf16 here; fp8_e4m3; fp8_e5m2), each with the same
+(auto = the model dtype, bf16 here; fp8_e4m3; fp8_e5m2; int8), each with the same
 --kv-cache-memory, and sends the same fixed prompts (passages of
 benchmarks/texts/public_domain_en.txt) as greedy /v1/completions with
 logprobs. Against the full-precision cache it reports:
@@ -111,7 +111,7 @@ def compare(ref: dict, other: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--kv", default="auto,fp8_e4m3,fp8_e5m2", help="kv cache dtypes; the first is the reference")
+    ap.add_argument("--kv", default="auto,fp8_e4m3,fp8_e5m2,int8", help="kv cache dtypes; the first is the reference")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--kv-cache-memory", default="256MiB")
     ap.add_argument("--prompts", type=int, default=8)

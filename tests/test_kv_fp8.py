@@ -38,8 +38,8 @@ def test_parse_and_names():
     assert parse_kv_cache_dtype("fp8_e4m3", torch.bfloat16) is E4M3
     assert parse_kv_cache_dtype("fp8_e5m2", torch.float32) is E5M2
     assert [kv_dtype_name(d) for d in (E4M3, E5M2, torch.bfloat16)] == ["fp8_e4m3", "fp8_e5m2", "bfloat16"]
-    with pytest.raises(ValueError, match="unknown kv cache dtype 'int8'"):
-        parse_kv_cache_dtype("int8", torch.float32)
+    with pytest.raises(ValueError, match="unknown kv cache dtype 'int4'"):
+        parse_kv_cache_dtype("int4", torch.float32)
 
 
 def test_writes_saturate_and_round_trip():

@@ -12,6 +12,7 @@ from pagemill.options import option, parse_bytes
 
 QUANTIZE_METHODS = ("int8",)
 MODEL_IMPLS = ("auto", "native", "transformers")  # models/impl.py
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # attention/kv_dtype.py
 
 
 @dataclass(frozen=True)
@@ -76,9 +77,10 @@ class ShardConfig:
                              help="native: pagemill's own model code; transformers: transformers' modeling code "
                                   "over pagemill's paged attention (any causal LM it has); auto: native where it "
                                   "exists")
-    kv_cache_dtype: str = option("auto", choices=("auto", "fp8_e4m3", "fp8_e5m2"),
-                                 help="KV cache storage: auto (the model dtype) or fp8, which holds twice the tokens "
-                                      "of bf16")
+    kv_cache_dtype: str = option("auto", choices=KV_CACHE_DTYPES,
+                                 help="KV cache storage: auto (the model dtype), fp8, which holds twice the tokens "
+                                      "of bf16, or int8 with a scale per token and head (1.88x at head_dim 64; "
+                                      "torch attention backend; docs/kv_cache.md)")
     # shard/kv_tier.py, docs/kv_cache.md: a second KV tier under the pool.
     kv_offload_dir: str | None = option(None, help="directory of the disk KV tier: prefix blocks are written there "
                                                    "and loaded back instead of recomputed, also after a restart")

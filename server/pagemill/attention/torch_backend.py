@@ -20,7 +20,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from pagemill.attention.kv_dtype import KV_SCALE, write_rows
+from pagemill.attention.kv_dtype import KV_SCALE, is_int8, widen, write_rows
 from pagemill.cpu_kernels import FP8_CACHE, DecodeKernels
 from pagemill.attention.metadata import AttentionMetadata
 
@@ -32,20 +32,24 @@ class TorchAttentionBackend:
         self.kernels = kernels
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        # [num_blocks, block_size, kv_heads, head_dim] viewed as one row per slot.
-        # An fp8 cache gets a saturating cast; reads below widen with .to(q.dtype) (kv_dtype.py).
-        kv_heads, head_dim = k_cache.shape[-2:]
-        write_rows(k_cache.view(-1, kv_heads, head_dim), slot_mapping, k)
-        write_rows(v_cache.view(-1, kv_heads, head_dim), slot_mapping, v)
+        # [num_blocks, block_size, kv_heads, pitch] viewed as one row per slot (pitch: head_dim, + 4
+        # in an int8 cache: kv_dtype.row_width).
+        # An fp8 cache gets a saturating cast, an int8 one rows with their scales; reads below
+        # widen them back (kv_dtype.py).
+        kv_heads, pitch = k_cache.shape[-2:]
+        write_rows(k_cache.view(-1, kv_heads, pitch), slot_mapping, k)
+        write_rows(v_cache.view(-1, kv_heads, pitch), slot_mapping, v)
 
     def prefill(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                 window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         """window: each query sees only the last `window` keys, itself included (a sliding-window
         layer). softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
         # (Not over fp8 pools: there the new tokens attend to their exact k/v, as below; not with
-        # a soft cap, which the kernel does not apply.)
+        # a soft cap, which the kernel does not apply. Over int8 pools it does: the kernel
+        # dequantizes as it reads, so chunks over cached blocks never widen the whole prefix.)
         if self.kernels is not None and softcap is None and meta.max_seqlen_q <= KERNEL_PREFILL_MAX_ROWS \
-                and k_cache.dtype == q.dtype and _kernel_applies(q, k_cache, v_cache, meta):
+                and (k_cache.dtype == q.dtype or is_int8(k_cache.dtype)) \
+                and _kernel_applies(q, k_cache, v_cache, meta):
             # Every new token as a one-token query over its sequence's cache up to
             # itself (written above): one compiled call for the whole step.
             tables, lens = _token_rows(meta)
@@ -72,8 +76,8 @@ class TorchAttentionBackend:
             else:
                 num_blocks = -(-total // block_size)
                 blocks = meta.block_tables[i, :num_blocks].long()
-                keys = _gather(k_cache, blocks, total).to(q.dtype)
-                values = _gather(v_cache, blocks, total).to(q.dtype)
+                keys = widen(_gather(k_cache, blocks, total), q.dtype)
+                values = widen(_gather(v_cache, blocks, total), q.dtype)
                 # New token j sits at absolute position cached + j and sees keys 0..cached + j.
                 # (SDPA's is_causal aligns top-left, which is wrong when cached > 0.)
                 key_pos = torch.arange(total, device=q.device)
@@ -92,13 +96,14 @@ class TorchAttentionBackend:
             return self.kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, scale,
                                                 window)  # fmt: skip
         batch, width = meta.block_tables.shape
-        block_size, kv_heads, head_dim = k_cache.shape[1:]
+        block_size, kv_heads, pitch = k_cache.shape[1:]  # pitch: head_dim, or int8's row with its scale
+        head_dim = q.shape[2]
         tables, mask, length = _decode_indices(meta, block_size, window)
         # [B, W, block_size, kvh, D] -> [B, kvh, length, D]. The gather copies
         # only the blocks in the (padded) tables, once per layer.
-        shape = (batch, width * block_size, kv_heads, head_dim)
-        keys = _rows(k_cache, tables).view(shape)[:, :length].transpose(1, 2).to(q.dtype)
-        values = _rows(v_cache, tables).view(shape)[:, :length].transpose(1, 2).to(q.dtype)
+        shape = (batch, width * block_size, kv_heads, pitch)
+        keys = widen(_rows(k_cache, tables).view(shape)[:, :length].transpose(1, 2), q.dtype)
+        values = widen(_rows(v_cache, tables).view(shape)[:, :length].transpose(1, 2), q.dtype)
         # GQA without expanding K/V: the heads // kv_heads query heads that
         # share a kv head (h -> h // group, as HF's repeat_kv) become that kv
         # head's "query rows". One token each, so the same mask row holds for
@@ -165,7 +170,7 @@ def _kernel_applies(q, k_cache, v_cache, meta: AttentionMetadata) -> bool:
     return (
         q.device.type == "cpu"
         and k_cache.dtype == v_cache.dtype
-        and (q.dtype == k_cache.dtype or (k_cache.dtype in FP8_CACHE and KV_SCALE == 1.0))
+        and (q.dtype == k_cache.dtype or is_int8(k_cache.dtype) or (k_cache.dtype in FP8_CACHE and KV_SCALE == 1.0))
         and q.dtype in (torch.float32, torch.bfloat16)
         and q.stride(2) == 1
         and q.stride(1) == q.shape[2]

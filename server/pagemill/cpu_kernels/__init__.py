@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
-            _DIR / "norm.cpp", _DIR / "elementwise.cpp"]
+            _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
@@ -104,12 +104,16 @@ class DecodeKernels:
         self.attention_fp8 = lib.pagemill_paged_attention_fp8
         self.attention_fp8.restype = ctypes.c_int
         self.attention_fp8.argtypes = [vp, ctypes.c_int, ctypes.c_int] + self.attention.argtypes[1:]
+        self.attention_int8 = lib.pagemill_paged_attention_int8  # paged_attention_int8.cpp
+        self.attention_int8.restype = ctypes.c_int
+        self.attention_int8.argtypes = [vp, ctypes.c_int] + self.attention.argtypes[1:]
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                         window: int | None = None) -> torch.Tensor:
         """q [B, heads, head_dim] float32 or bfloat16 (heads contiguous), caches [blocks, block_size,
-        kv_heads, head_dim] of q's dtype or fp8 (FP8_CACHE), contiguous, block_tables [B, W] / context_lens [B] int32
+        kv_heads, head_dim] of q's dtype or fp8 (FP8_CACHE), or int8 [..., head_dim + 4] (rows with
+        their scales, attention/kv_dtype.py), contiguous, block_tables [B, W] / context_lens [B] int32
         contiguous -> [B, heads, head_dim] of q's dtype (float32 arithmetic either way).
         window: each query sees only its last `window` keys (a sliding-window layer)."""
         b, heads, d = q.shape
@@ -118,7 +122,9 @@ class DecodeKernels:
         args = (q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1],
                 context_lens.data_ptr(), out.data_ptr(), b, heads, kv_heads, d, block_size, scale, window or 0,
                 torch.get_num_threads())  # fmt: skip
-        if k_cache.dtype in FP8_CACHE:  # entries widened exactly: the pool's scale is 1 (kv_dtype.KV_SCALE)
+        if k_cache.dtype == torch.int8:
+            rc = self.attention_int8(q.data_ptr(), int(q.dtype == torch.bfloat16), *args)
+        elif k_cache.dtype in FP8_CACHE:  # entries widened exactly: the pool's scale is 1 (kv_dtype.KV_SCALE)
             rc = self.attention_fp8(q.data_ptr(), int(q.dtype == torch.bfloat16), FP8_CACHE[k_cache.dtype], *args)
         else:
             rc = (self.attention_bf16 if q.dtype == torch.bfloat16 else self.attention)(q.data_ptr(), *args)

@@ -20,9 +20,17 @@
 //   in registers (up to 24 vectors), chunks of query heads when more.
 // Without AVX-512 (or with a head_dim that is not a multiple of 16) the
 // scalar loop below runs; both compute softmax(scale * q.K^T) V in float32.
+//
+// int8 caches (--kv-cache-dtype int8, attention/kv_dtype.py): each row of
+// head_dim entries is followed by its float32 scale (a row of D + 4 bytes).
+// The kernel widens the int8 entries like bf16 ones and applies the scales
+// where they cost least: a key's scale multiplies its finished score (one
+// multiply per token, not per entry), a value's scale is folded into the
+// token's probabilities before the value pass (once per (token, head)).
 #pragma once
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include <vector>
 
@@ -30,7 +38,57 @@
 
 namespace pagemill {
 
-// Where a sequence's cache rows live: [num_blocks, block_size, kv_heads, head_dim].
+// An int8 KV cache entry; each row of head_dim of them is followed by the
+// row's float32 scale (entry * scale is the value).
+struct q8 {
+  int8_t bits;
+};
+inline float to_float(q8 v) { return (float)v.bits; }
+
+// Whether T's rows carry a scale, and how many T that takes after head_dim.
+template <typename T>
+constexpr bool kScaled = false;
+template <>
+constexpr bool kScaled<q8> = true;
+template <typename T>
+constexpr int64_t kRowExtra = kScaled<T> ? 4 : 0;
+
+// The scale of the row at `row` (head_dim D); 1 for unscaled types.
+template <typename T>
+inline float row_scale(const T* row, int64_t D) {
+  if constexpr (kScaled<T>) {
+    float s;
+    memcpy(&s, row + D, sizeof(float));
+    return s;
+  } else {
+    (void)row, (void)D;
+    return 1.f;
+  }
+}
+
+#if defined(__AVX512F__)
+// 16 int8 entries (or the first n) widened to float32, unscaled.
+inline __m512 load16(const q8* p, int64_t n = 16) {
+  const __m128i raw = n >= 16 ? _mm_loadu_si128((const __m128i*)p) : _mm_maskz_loadu_epi8((__mmask16)((1u << n) - 1), p);
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(raw));
+}
+#endif
+
+// sum_k x[k] * w[k] for int8 w, unscaled, in float32.
+inline float dot(const float* x, const q8* w, int64_t K) {
+#if defined(__AVX512F__)
+  __m512 s = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += 16) s = _mm512_fmadd_ps(load16(x + k, K - k), load16(w + k, K - k), s);
+  return _mm512_reduce_add_ps(s);
+#else
+  float s = 0.f;
+  for (int64_t k = 0; k < K; ++k) s += x[k] * to_float(w[k]);
+  return s;
+#endif
+}
+
+// Where a sequence's cache rows live: [num_blocks, block_size, kv_heads, pitch],
+// pitch = head_dim (+ the scale of an int8 row).
 template <typename T>
 struct PagedKV {
   const T* k;
@@ -38,17 +96,19 @@ struct PagedKV {
   const int32_t* block_table;  // this sequence's blocks
   int64_t block_size, kv_heads, head_dim;
 
+  inline int64_t pitch() const { return head_dim + kRowExtra<T>; }
+
   inline int64_t row(int64_t t, int64_t kv_head) const {
     const int64_t block = block_table[t / block_size];
-    return ((block * block_size + t % block_size) * kv_heads + kv_head) * head_dim;
+    return ((block * block_size + t % block_size) * kv_heads + kv_head) * pitch();
   }
 
   // out[t - first] = row(t, kv_head) for first <= t < len, block by block (no division per token).
   inline void rows(int64_t first, int64_t len, int64_t kv_head, int64_t* out) const {
-    const int64_t stride = kv_heads * head_dim;
+    const int64_t stride = kv_heads * pitch();
     for (int64_t t = first; t < len;) {
       const int64_t b = t / block_size, i0 = t % block_size;
-      const int64_t base = (int64_t)block_table[b] * block_size * stride + kv_head * head_dim;
+      const int64_t base = (int64_t)block_table[b] * block_size * stride + kv_head * pitch();
       const int64_t end = (b + 1) * block_size < len ? (b + 1) * block_size : len;
       for (int64_t i = i0; t < end; ++i, ++t) out[t - first] = base + i * stride;
     }
@@ -63,7 +123,8 @@ inline void attend_group_scalar(const float* q, int64_t q_stride, int64_t group,
   const int64_t D = kv.head_dim, len = len_end - first;
   for (int64_t t = 0; t < len; ++t) {
     const T* k = kv.k + kv.row(first + t, kv_head);
-    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q + g * q_stride, k, D) * scale;
+    const float ks = scale * row_scale(k, D);
+    for (int64_t g = 0; g < group; ++g) scores[g * len + t] = dot(q + g * q_stride, k, D) * ks;
   }
   for (int64_t g = 0; g < group; ++g) {
     float* s = scores + g * len;
@@ -78,11 +139,14 @@ inline void attend_group_scalar(const float* q, int64_t q_stride, int64_t group,
   }
   for (int64_t t = 0; t < len; ++t) {
     const T* v = kv.v + kv.row(first + t, kv_head);
-    for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t], v, out + g * out_stride, D);
+    const float vs = row_scale(v, D);
+    for (int64_t g = 0; g < group; ++g) axpy(scores[g * len + t] * vs, v, out + g * out_stride, D);
   }
 }
 
 #if defined(__AVX512F__)
+
+inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 // Lane i of the result = the sum of a[i]'s 16 lanes (a is consumed).
 inline __m512 transpose_sum16(__m512* a) {
@@ -119,7 +183,6 @@ inline void prefetch_row(const T* p, int64_t D) {
   for (int64_t b = 0; b < D * (int64_t)sizeof(T); b += 64) _mm_prefetch((const char*)p + b, (_mm_hint)kHint);
 }
 
-inline __mmask16 first(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
 
 // The query of one head as the key rows meet it: bf16 pairs for vdpbf16ps, or float32.
 template <typename T>
@@ -155,15 +218,22 @@ inline void group_scores(const float* q, int64_t q_stride, int64_t group, const 
                          const int64_t* offs, int64_t D, int64_t len, float scale, float* scores) {
   const __m512 sc = _mm512_set1_ps(scale);
   const T* rows[16];
-  for (int64_t i = 0; i < 32 && i < len; ++i) prefetch_row(keys + offs[i], D);
+  const int64_t P = D + kRowExtra<T>;  // the bytes a row's prefetch covers, its scale included
+  for (int64_t i = 0; i < 32 && i < len; ++i) prefetch_row(keys + offs[i], P);
   for (int64_t t0 = 0; t0 < len; t0 += 16) {
     const int64_t n = len - t0 < 16 ? len - t0 : 16;
     for (int64_t i = 0; i < n; ++i) rows[i] = keys + offs[t0 + i];
     // The blocks are scattered over the pool, so no hardware prefetcher finds
     // them: ask for the key rows two chunks ahead, and this chunk's value rows
     // into L2 for group_values (measured: the loads stalled on memory).
-    for (int64_t i = t0 + 32; i < t0 + 48 && i < len; ++i) prefetch_row(keys + offs[i], D);
-    for (int64_t i = t0; i < t0 + n; ++i) prefetch_row<T, _MM_HINT_T1>(values + offs[i], D);
+    for (int64_t i = t0 + 32; i < t0 + 48 && i < len; ++i) prefetch_row(keys + offs[i], P);
+    for (int64_t i = t0; i < t0 + n; ++i) prefetch_row<T, _MM_HINT_T1>(values + offs[i], P);
+    __m512 chunk_sc = sc;
+    if constexpr (kScaled<T>) {  // each key's scale on its score
+      alignas(64) float ks[16] = {};
+      for (int64_t i = 0; i < n; ++i) ks[i] = row_scale(rows[i], D);
+      chunk_sc = _mm512_mul_ps(sc, _mm512_load_ps(ks));
+    }
     for (int64_t g = 0; g < group; ++g) {
       QueryRow<T> qr;
       if constexpr (QueryRow<T>::kDp) {
@@ -178,7 +248,7 @@ inline void group_scores(const float* q, int64_t q_stride, int64_t group, const 
       __m512 acc[16];
       for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t i = 0; i < n; ++i) acc[i] = qk_partial(qr, rows[i], D, acc[i]);
-      _mm512_mask_storeu_ps(scores + g * len + t0, first(n), _mm512_mul_ps(transpose_sum16(acc), sc));
+      _mm512_mask_storeu_ps(scores + g * len + t0, first(n), _mm512_mul_ps(transpose_sum16(acc), chunk_sc));
     }
   }
 }
@@ -210,7 +280,7 @@ inline void group_values(const float* p, int64_t len, const T* values, const int
     for (int c = 0; c < NV; ++c) o[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; ++t) {
     const T* v = values + offs[t];
-    if (t + 16 < len) prefetch_row(values + offs[t + 16], 16 * NV);
+    if (t + 16 < len) prefetch_row(values + offs[t + 16], 16 * NV + kRowExtra<T>);
     __m512 vf[NV];
     for (int c = 0; c < NV; ++c) vf[c] = load16(v + 16 * c);
     for (int g = 0; g < G; ++g) {
@@ -247,6 +317,12 @@ inline bool attend_group_avx512(const float* q, int64_t q_stride, int64_t group,
   group_scores(q, q_stride, group, kv.k, kv.v, offs.data(), D, len, scale, scores);
   float inv[64];
   for (int64_t g = 0; g < group; ++g) inv[g] = 1.f / exp_shifted(scores + g * len, len);
+  if constexpr (kScaled<T>) {  // each value's scale on its probabilities (after the sums above)
+    for (int64_t t = 0; t < len; ++t) {
+      const float vs = row_scale(kv.v + offs[t], D);
+      for (int64_t g = 0; g < group; ++g) scores[g * len + t] *= vs;
+    }
+  }
   const int64_t* o = offs.data();
   switch (D / 16) {
     case 4: values_chunked<4>(scores, group, len, kv.v, o, inv, out, out_stride); return true;
@@ -269,7 +345,7 @@ inline bool attend_group_avx512(const float* q, int64_t q_stride, int64_t group,
 // out[g] = softmax(scale * q[g] . K^T) V over tokens first..len-1 (len > first;
 // first > 0: a sliding window dropped the older ones), for the `group` query
 // heads q[0..group) (stride q_stride) that share `kv_head`. scores: group *
-// (len - first) floats of scratch. The cache holds T (float, bf16 or fp8);
+// (len - first) floats of scratch. The cache holds T (float, bf16, fp8 or scaled int8);
 // q, scores and out are float32.
 template <typename T>
 inline void attend_group(const float* q, int64_t q_stride, int64_t group, const PagedKV<T>& kv, int64_t kv_head,
@@ -283,5 +359,46 @@ inline void attend_group(const float* q, int64_t q_stride, int64_t group, const 
 // The first key a query at position len - 1 sees: window > 0 keeps the last
 // `window` keys (as transformers' sliding mask: key position > query position - window).
 inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
+
+// Attention of B single-token queries against their paged caches, one task
+// per (sequence, kv head): q [B, nh, D] (token b's heads at q + b * q_stride),
+// out [B, nh, D] of T (float or bf16; arithmetic in float32), caches of C.
+// The same loop as decode.cpp's paged_attention, here for the int8 entry
+// point (paged_attention_int8.cpp) without touching decode.cpp.
+constexpr int64_t kAttendParallelWork = 1 << 20;  // decode.cpp's kParallelWork: smaller steps stay on one thread
+
+template <typename T, typename C>
+int attend_batch(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int32_t* block_tables,
+                 int64_t width, const int32_t* context_lens, T* out, int64_t B, int64_t nh, int64_t nkv, int64_t D,
+                 int64_t bs, float scale, int64_t window, int threads) {
+  if (nkv <= 0 || nh % nkv != 0) return 1;
+  const int64_t group = nh / nkv;
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += context_lens[b] > 0 ? context_lens[b] : 0;
+  const bool parallel = work * nh * D >= kAttendParallelWork;
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    std::vector<float> scores, qf(group * D), of(group * D);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < nkv; ++j) {
+        const int64_t len = context_lens[b];
+        const T* qg = q + b * q_stride + j * group * D;
+        T* o = out + (b * nh + j * group) * D;
+        if (len <= 0) {
+          memset((void*)o, 0, group * D * sizeof(T));
+          continue;
+        }
+        const int64_t first = first_key(len, window);
+        scores.resize(group * (len - first));
+        const PagedKV<C> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
+        for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qg[i]);
+        attend_group(qf.data(), D, group, kv, j, first, len, scale, scores.data(), of.data(), D);
+        for (int64_t i = 0; i < group * D; ++i) o[i] = from_float<T>(of[i]);
+      }
+    }
+  }
+  return 0;
+}
 
 }  // namespace pagemill

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pagemill.attention.kv_dtype import row_width
 from pagemill.models.config import ModelConfig
 
 SCRATCH_BLOCK = 0
@@ -20,8 +21,9 @@ SCRATCH_BLOCK = 0
 class KVPool:
     num_blocks: int
     block_size: int
-    # [layers, 2, num_blocks, block_size, kv_heads, head_dim]: one allocation,
-    # per-layer views below (contiguous, so flat slot views are free).
+    # [layers, 2, num_blocks, block_size, kv_heads, row_width]: one allocation,
+    # per-layer views below (contiguous, so flat slot views are free). row_width:
+    # head_dim, + 4 in an int8 pool, whose rows carry their scales (kv_dtype.py).
     storage: torch.Tensor
 
     @property
@@ -36,9 +38,10 @@ class KVPool:
     def bytes_per_block(
         config: ModelConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int | None = None
     ) -> int:
-        """num_kv_heads: the heads this pool stores (a tensor-parallel rank's share; default all)."""
+        """num_kv_heads: the heads this pool stores (a tensor-parallel rank's share; default all).
+        Everything with_blocks allocates per block, int8's scales included."""
         kv_heads = config.num_key_value_heads if num_kv_heads is None else num_kv_heads
-        per_token = 2 * config.num_hidden_layers * kv_heads * config.head_dim
+        per_token = 2 * config.num_hidden_layers * kv_heads * row_width(config.head_dim, dtype)
         return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
     @classmethod
@@ -72,7 +75,7 @@ class KVPool:
             num_blocks,
             block_size,
             config.num_key_value_heads if num_kv_heads is None else num_kv_heads,
-            config.head_dim,
+            row_width(config.head_dim, dtype),
         )
         # Zeros, not empty: decode multiplies masked (never written) slots by 0,
         # and 0 * NaN from uninitialised memory would poison the output.
