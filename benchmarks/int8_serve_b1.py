@@ -60,7 +60,7 @@ async def rounds(urls: dict[str, str], reqs, n: int) -> dict[str, list[float]]:
                 if not rec.success:
                     raise RuntimeError(f"{name}: {rec.error}")
                 if i > 0:  # the first round warms up
-                    tpot[name].append(rec.tpot() * 1e3)
+                    tpot[name].append(rec.tpot * 1e3)
     return tpot
 
 

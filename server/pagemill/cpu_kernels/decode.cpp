@@ -23,6 +23,12 @@
 // included, stays float32. That is at least as accurate as torch's bf16
 // modules (which round every intermediate to bf16) and adds no memory
 // traffic worth counting: the layer's traffic is the weights.
+//
+// int8 (--quantize int8): the same layer with Int8Linears, the int8 linear's
+// own arithmetic from int8_rows.h (per-row activation quantization, int32
+// sums, down_proj's Hadamard rotation) over QuantizedLinear's packed weights;
+// norms and pool float32 or bf16. Each thread quantizes a linear's input
+// rows itself and takes a balanced range of 16-channel blocks.
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -191,7 +197,8 @@ struct Int8Linears {
     void operator()(Lin l, int64_t B, const float* in, float* y, int64_t N, int64_t K, bool add) const {
       const int64_t* e = d.ptrs + kInt8Norms + kInt8Entry * l;
       const int64_t Kp = (K + 3) / 4 * 4;
-      for (int64_t m = 0; m < B; ++m) x_scale[m] = pagemill::int8::quantize_row(in + m * K, false, K, Kp, e[4], xu + m * Kp, tmp);
+      for (int64_t m = 0; m < B; ++m)
+        x_scale[m] = pagemill::int8::quantize_row(in + m * K, false, K, Kp, e[4], xu + m * Kp, tmp);
       pagemill::int8::Args a{xu, x_scale, (const int8_t*)e[0], (const float*)e[1], (const int32_t*)e[2],
                              (const float*)e[3], y, false, B, N, Kp, add};
       pagemill::int8::share(a, omp_get_thread_num(), omp_get_num_threads());
