@@ -1,6 +1,7 @@
 """Speed of `--quantize int8` against float32 and bfloat16, interleaved in one process.
 
     python benchmarks/int8_speed.py [--batch-sizes 1 4 16 64] [--steps 15] [--json out.json]
+    python benchmarks/int8_speed.py --fused-ab [--batch-sizes 1 2 4] [--threads 1 2] [--steps 40]
 
 Two measurements, the variants alternating round by round so machine noise hits them alike:
 
@@ -12,6 +13,11 @@ Two measurements, the variants alternating round by round so machine noise hits 
    forward + sampling) at each batch size, 64 prompt tokens: float32 (default: the fused layer
    up to 5 sequences), float32 module path (fused layer off), bfloat16, int8 with the rest in
    float32, int8 with the rest in bfloat16.
+
+With --fused-ab, instead: decode steps at batches 1, 2, 4 (--batch-sizes) with 1 and 2 threads
+(--threads) of int8 through the fused whole-layer decode (models/fused_decode.py), the same
+int8 model through the module path (fused layer off), and bf16 through its fused layer; the rest
+in bfloat16 (the server's `--dtype bfloat16 --quantize int8`), medians of interleaved steps.
 
 Also prints, at batch 1, the int8 step minus its linears (time the step spends outside the
 linears: norms, rotary, attention, residuals, Python dispatch, sampling): what an int8 fused
@@ -109,16 +115,70 @@ def decode(batch_sizes: list[int], steps: int) -> dict:
     return out
 
 
+def fused_ab(batch_sizes: list[int], threads: list[int], steps: int) -> dict:
+    """{threads: {batch: {variant: stats}}}: int8 fused vs int8 module path vs bf16 fused."""
+    from pagemill.bench.cli import resolve_model_dir
+    from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
+    from pagemill.config import ShardConfig
+    from pagemill.shard.engine import ModelRunner
+
+    model_dir = resolve_model_dir(None)
+    configs = {"int8 fused": "int8", "int8 module": "int8", "bf16 fused": None}
+    runners = {}
+    for name, quantize in configs.items():
+        cfg = ShardConfig(model_dir=model_dir, uds_path="", dtype="bfloat16", quantize=quantize,
+                          kv_cache_memory=1 << 30)  # fmt: skip
+        r = runners[name] = ModelRunner.from_shard_config(cfg)
+        warm_runner(r, max_batch_size=max(batch_sizes), max_prefill_tokens=max(batch_sizes) * 64,
+                    max_input=64 + steps + 2)  # fmt: skip
+        fused = r.model.model.fused
+        assert fused is not None and fused.int8 == (quantize == "int8"), f"{name}: unexpected fused decoder"
+        if name == "int8 module":
+            r.model.model.fused = None
+    out: dict = {}
+    for t in threads:
+        torch.set_num_threads(t)
+        out[t] = {}
+        for b in batch_sizes:
+            drivers, batches = {}, {}
+            for name, r in runners.items():
+                d = drivers[name] = ShardDriver(r)
+                batches[name], _ = d.prefill(random_prompts(b, 64, r.config.vocab_size), max_new_tokens=steps + 2)
+            times: dict[str, list[float]] = {k: [] for k in runners}
+            for _ in range(steps):
+                for name in runners:
+                    times[name].append(drivers[name].decode(batches[name]).forward_ns / 1e6)
+            for d in drivers.values():
+                for rid in list(d.lens):
+                    d.release(rid)
+            out[t][b] = {k: _stats(v) for k, v in times.items()}
+            print(f"{t} thread(s), batch {b}: " + ", ".join(f"{k} {v['median_ms']:.1f}" for k, v in out[t][b].items())
+                  + " ms", flush=True)  # fmt: skip
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--json", default="benchmarks/results/int8_speed.json")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/int8_speed.json (int8_fused_decode.json)")
+    p.add_argument("--fused-ab", action="store_true", help="int8 fused vs module path vs bf16 fused decode steps")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     a = p.parse_args()
     from int8_quality import cpu_flags
 
     res: dict = {"threads": torch.get_num_threads(), "cpu_flags": cpu_flags()}
+    if a.fused_ab:
+        with torch.inference_mode():
+            res["decode_step_ms"] = fused_ab(a.batch_sizes, a.threads, a.steps)
+        print("\n| threads | batch | " + " | ".join(next(iter(next(iter(res["decode_step_ms"].values())).values())))
+              + " |\n| ---: | ---: | ---: | ---: | ---: |")  # fmt: skip
+        for t, rows in res["decode_step_ms"].items():
+            for b, row in rows.items():
+                print(f"| {t} | {b} | " + " | ".join(f"{v['median_ms']:.1f}" for v in row.values()) + " |")
+        _write(res, a.json or "benchmarks/results/int8_fused_decode.json")
+        return
     with torch.inference_mode():
         res["linears"] = {}
         for rows in (1, 64):
@@ -138,9 +198,13 @@ def main() -> None:
         res["int8_batch1_outside_linears_ms"] = step - lin
         print(f"\nbatch 1, int8: step {step:.1f} ms, its linears alone {lin:.1f} ms -> {step - lin:.1f} ms outside "
               "the linears (what a fused int8 layer would address)")  # fmt: skip
-    Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.json).write_text(json.dumps(res, indent=1))
-    print(f"wrote {a.json}")
+    _write(res, a.json or "benchmarks/results/int8_speed.json")
+
+
+def _write(res: dict, path: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

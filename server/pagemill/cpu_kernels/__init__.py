@@ -4,7 +4,8 @@
 - decode.cpp: a whole decoder layer for one token, and paged attention for a
   batch of single-token queries (each file says why).
 - int8_linear.cpp: the int8-weight, int8-activation linear of `--quantize int8`
-  (wrapped by int8.py).
+  (wrapped by int8.py; its arithmetic is in int8_rows.h, which decode.cpp's
+  int8 layer shares).
 
 Each in float32 and bfloat16 (bf16_rows.h: AVX512-BF16 dot products where the
 CPU has them, else widened to float32; a scalar fallback without AVX-512).
@@ -39,7 +40,7 @@ log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
             _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp"]
-_HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h"]
+_HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "int8_rows.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -92,6 +93,11 @@ class DecodeKernels:
         self.layer_bf16 = lib.pagemill_decode_layer_bf16
         self.layer_bf16.restype = ctypes.c_int
         self.layer_bf16.argtypes = self.layer.argtypes + [ctypes.c_int]
+        # The layer of an int8 model: the same arguments and the pool's dtype (0 float32, 1 bf16).
+        self.layer_int8 = lib.pagemill_decode_layer_int8
+        self.layer_int8.restype = ctypes.c_int
+        self.layer_int8.argtypes = self.layer.argtypes + [ctypes.c_int]
+        self.layer_int8_ptrs = int(lib.pagemill_decode_layer_int8_ptrs())
         self.layer_ptrs = int(lib.pagemill_decode_layer_ptrs())
         self.layer_dims = int(lib.pagemill_decode_layer_dims())
         self.layer_max_rows = int(lib.pagemill_decode_layer_max_rows())

@@ -23,7 +23,14 @@
 // included, stays float32. That is at least as accurate as torch's bf16
 // modules (which round every intermediate to bf16) and adds no memory
 // traffic worth counting: the layer's traffic is the weights.
+//
+// int8 (--quantize int8): the same layer with Int8Linears, the int8 linear's
+// own arithmetic from int8_rows.h (per-row activation quantization, int32
+// sums, down_proj's Hadamard rotation) over QuantizedLinear's packed weights;
+// norms and pool float32 or bf16. Each thread quantizes a linear's input
+// rows itself and takes a balanced range of 16-channel blocks.
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -31,6 +38,7 @@
 #include <vector>
 
 #include "bf16_rows.h"
+#include "int8_rows.h"
 #include "paged_attention.h"
 #include "vec.h"
 
@@ -147,19 +155,77 @@ void linear(int64_t M, const Rows& x, const T* w, const T* bias, float* y, int64
 enum Ptr { kInNorm, kQkvW, kQkvB, kOW, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNumPtrs };
 // Indices into the dims table.
 enum Dim { kHidden, kHeads, kKvHeads, kHeadDim, kInter, kBlockSize, kNumDims };
+// A layer's four linears, in the order the int8 table lists them.
+enum Lin { kQkv, kO, kGateUp, kDown };
+
+// The linears of a layer with T weights (ptrs: decode.cpp's Ptr table).
+template <typename T>
+struct DenseLinears {
+  const int64_t* ptrs;
+  Bf16Mul mul;
+  // One thread's view inside the layer's parallel region: y (+)= in W^T + b
+  // for its share of the outputs, ending on the `omp for`'s barrier.
+  struct Thread {
+    const DenseLinears& d;
+    void* prep;
+    void operator()(Lin l, int64_t B, const float* in, float* y, int64_t N, int64_t K, bool add) const {
+      static constexpr Ptr w[] = {kQkvW, kOW, kGateUpW, kDownW}, b[] = {kQkvB, kNumPtrs, kGateUpB, kDownB};
+      const T* bias = b[l] == kNumPtrs ? nullptr : reinterpret_cast<const T*>(d.ptrs[b[l]]);
+      linear(B, Rows{in, prep, d.mul}, reinterpret_cast<const T*>(d.ptrs[w[l]]), bias, y, N, K, add);
+    }
+  };
+  Thread thread(int64_t B, int64_t widest) const {
+    static thread_local std::vector<float> prep;  // this thread's bf16_rows.h copy of a linear's input
+    if (!std::is_same_v<T, float>) prep.resize(pagemill::prepared_bytes(B, widest) / sizeof(float));
+    return Thread{*this, prep.data()};
+  }
+};
+
+// The linears of an int8 model (int8_rows.h's arithmetic, QuantizedLinear's
+// packed tensors). Table: kInt8Norms norm pointers, then per Lin kInt8Entry
+// entries: packed weight, w_scale, w_corr, bias (float32 or 0), rotate.
+constexpr int kInt8Norms = 2, kInt8Entry = 5, kInt8Ptrs = kInt8Norms + 4 * kInt8Entry;
+struct Int8Linears {
+  const int64_t* ptrs;
+  // Each thread quantizes the input rows itself (B x K, nothing next to the
+  // weights), so no thread waits for another before its share of the product.
+  struct Thread {
+    const Int8Linears& d;
+    uint8_t* xu;
+    float* x_scale;
+    float* tmp;
+    void operator()(Lin l, int64_t B, const float* in, float* y, int64_t N, int64_t K, bool add) const {
+      const int64_t* e = d.ptrs + kInt8Norms + kInt8Entry * l;
+      const int64_t Kp = (K + 3) / 4 * 4;
+      for (int64_t m = 0; m < B; ++m)
+        x_scale[m] = pagemill::int8::quantize_row(in + m * K, false, K, Kp, e[4], xu + m * Kp, tmp);
+      pagemill::int8::Args a{xu, x_scale, (const int8_t*)e[0], (const float*)e[1], (const int32_t*)e[2],
+                             (const float*)e[3], y, false, B, N, Kp, add};
+      pagemill::int8::share(a, omp_get_thread_num(), omp_get_num_threads());
+#pragma omp barrier
+    }
+  };
+  Thread thread(int64_t B, int64_t widest) const {
+    static thread_local std::vector<uint8_t> xu;
+    static thread_local std::vector<float> f;
+    xu.resize(B * ((widest + 3) / 4 * 4));
+    f.resize(kMaxLayerRows + widest);
+    return Thread{*this, xu.data(), f.data(), f.data() + kMaxLayerRows};
+  }
+};
 
 // One decoder layer for B sequences of one new token each (B <= kMaxLayerRows).
-// x [B, H]: the float32 residual stream, updated in place. ptrs: T pointers as
-// int64 (bias entries may be 0). cos/sin [B, D] float32. Token b's k/v are
-// written at flat slot slots[b] before attention reads the first lens[b] rows
-// of its sequence (block_tables [B, width]; lens include the new token), or
-// only the last `window` of them (a sliding-window layer; 0: all).
-template <typename T>
-int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
-                 const float* cos, const float* sin, T* k_cache, T* v_cache, const int32_t* block_tables,
-                 int64_t width, const int32_t* lens, const int64_t* slots, int64_t window, int threads,
-                 Bf16Mul mul) {
-  auto p = [ptrs](Ptr i) { return reinterpret_cast<const T*>(ptrs[i]); };
+// x [B, H]: the float32 residual stream, updated in place. Norm weights and the
+// KV pool hold T; `lin` the linears (DenseLinears, Int8Linears). cos/sin [B, D]
+// float32. Token b's k/v are written at flat slot slots[b] before attention
+// reads the first lens[b] rows of its sequence (block_tables [B, width]; lens
+// include the new token), or only the last `window` of them (a sliding-window
+// layer; 0: all).
+template <typename T, typename L>
+int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, const L& lin, const int64_t* dims,
+                 float eps, float scale, const float* cos, const float* sin, T* k_cache, T* v_cache,
+                 const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots, int64_t window,
+                 int threads) {
   const int64_t H = dims[kHidden], nh = dims[kHeads], nkv = dims[kKvHeads], D = dims[kHeadDim];
   const int64_t I = dims[kInter], bs = dims[kBlockSize];
   if (B < 1 || B > kMaxLayerRows || nkv <= 0 || nh % nkv != 0) return 1;
@@ -169,9 +235,6 @@ int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, 
     max_len = lens[b] > max_len ? lens[b] : max_len;
   }
   const int64_t group = nh / nkv, nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk;
-  const T *in_norm = p(kInNorm), *qkv_w = p(kQkvW), *qkv_b = p(kQkvB), *o_w = p(kOW);
-  const T *post_norm = p(kPostNorm), *gu_w = p(kGateUpW), *gu_b = p(kGateUpB);
-  const T *down_w = p(kDownW), *down_b = p(kDownB);
 
   // Scratch shared by the threads of the region below; kept between calls.
   static thread_local std::vector<float> buf;
@@ -186,13 +249,11 @@ int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, 
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> own;  // this thread's normalised x [B, H]
-    static thread_local std::vector<float> prep;  // this thread's bf16_rows.h copy of a linear's input
     own.resize(B * H);
-    if (!std::is_same_v<T, float>) prep.resize(pagemill::prepared_bytes(B, widest) / sizeof(float));
     float* xn = own.data();
-    const auto rows = [&](const float* in) { return Rows{in, prep.data(), mul}; };
+    const auto linear = lin.thread(B, widest);
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, in_norm, eps, H, xn + b * H);
-    linear(B, rows(xn), qkv_w, qkv_b, qkv, nqkv, H, false);
+    linear(kQkv, B, xn, qkv, nqkv, H, false);
 #pragma omp for collapse(2) schedule(static)
     for (int64_t b = 0; b < B; ++b) {
       for (int64_t j = 0; j < nkv; ++j) {
@@ -211,17 +272,26 @@ int decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, 
                      attn + b * nq + j * group * D, D);
       }
     }
-    linear(B, rows(attn), o_w, (const T*)nullptr, x, H, nq, true);  // residual add
+    linear(kO, B, attn, x, H, nq, true);  // residual add
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, post_norm, eps, H, xn + b * H);
-    linear(B, rows(xn), gu_w, gu_b, gu, 2 * I, H, false);
+    linear(kGateUp, B, xn, gu, 2 * I, H, false);
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < B * I; ++i) {
       const float g = gu[(i / I) * 2 * I + i % I], u = gu[(i / I) * 2 * I + I + i % I];
       act[i] = g / (1.f + expf(-g)) * u;  // silu(gate) * up
     }
-    linear(B, rows(act), down_w, down_b, x, H, I, true);  // residual add
+    linear(kDown, B, act, x, H, I, true);  // residual add
   }
   return 0;
+}
+
+// The Ptr table's layer with T weights.
+template <typename T>
+int dense_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
+                const float* cos, const float* sin, T* k_cache, T* v_cache, const int32_t* block_tables,
+                int64_t width, const int32_t* lens, const int64_t* slots, int64_t window, int threads, Bf16Mul mul) {
+  return decode_layer(x, B, (const T*)ptrs[kInNorm], (const T*)ptrs[kPostNorm], DenseLinears<T>{ptrs, mul}, dims,
+                      eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens, slots, window, threads);
 }
 
 // Attention of B single-token queries against their paged caches.
@@ -285,8 +355,8 @@ int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_
                           const float* cos, const float* sin, float* k_cache, float* v_cache,
                           const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
                           int64_t window, int threads) {
-  return decode_layer<float>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-                             slots, window, threads, Bf16Mul::kWiden);
+  return dense_layer<float>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
+                            slots, window, threads, Bf16Mul::kWiden);
 }
 
 // decode_layer<bf16>: ptrs and caches bfloat16, x and cos/sin float32; mul: -1
@@ -296,8 +366,25 @@ int pagemill_decode_layer_bf16(float* x, int64_t B, const int64_t* ptrs, const i
                                const int32_t* block_tables, int64_t width, const int32_t* lens,
                                const int64_t* slots, int64_t window, int threads, int mul) {
   const Bf16Mul m = pagemill::usable(mul < 0 ? pagemill::choose_mul(B) : (Bf16Mul)mul);
-  return decode_layer<bf16>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-                            slots, window, threads, m);
+  return dense_layer<bf16>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
+                           slots, window, threads, m);
+}
+
+int pagemill_decode_layer_int8_ptrs() { return kInt8Ptrs; }
+
+// The layer of an int8 model (Int8Linears' table): norms and caches float32
+// (kv_bf16 0) or bfloat16 (1), x and cos/sin float32. Each linear's rotate is
+// 0 or a power of two dividing its K (QuantizedLinear checks it).
+int pagemill_decode_layer_int8(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
+                               const float* cos, const float* sin, void* k_cache, void* v_cache,
+                               const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
+                               int64_t window, int threads, int kv_bf16) {
+  const Int8Linears lin{ptrs};
+  if (kv_bf16)
+    return decode_layer(x, B, (const bf16*)ptrs[0], (const bf16*)ptrs[1], lin, dims, eps, scale, cos, sin,
+                        (bf16*)k_cache, (bf16*)v_cache, block_tables, width, lens, slots, window, threads);
+  return decode_layer(x, B, (const float*)ptrs[0], (const float*)ptrs[1], lin, dims, eps, scale, cos, sin,
+                      (float*)k_cache, (float*)v_cache, block_tables, width, lens, slots, window, threads);
 }
 
 int pagemill_paged_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,

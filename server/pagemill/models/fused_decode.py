@@ -22,6 +22,15 @@ stream, cos/sin and every intermediate in float32 across all layers (the
 embedding is widened once, the result narrowed once before the final norm):
 closer to a float32 model than torch's bf16 modules, which round each
 intermediate, and no slower (the weights are the traffic).
+
+int8 (`--quantize int8`, QuantizedLinear everywhere in the layers): the same
+layer with int8_rows.h's linears (the module path's per-row activation
+quantization, int32 sums, down_proj's Hadamard rotation) over the packed
+weights QuantizedLinear holds; norms and pool in the model dtype, the rest
+float32 as above. The integer sums are the module path's wherever the
+quantized rows are, and those differ only where float32 intermediates round
+differently from the module path's model-dtype ones. The output head
+stays a module (an int8 QuantizedLinear where quantized: the same kernel).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from torch import nn
 
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.cpu_kernels import BF16_MUL, DecodeKernels
+from pagemill.models.quantized_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -48,16 +58,24 @@ FUSED_MAX_BATCH = 5
 # 54.5 vs 63.3 ms, 5: 54 vs 74; 6 and 8 even (68 vs 62, 78 vs 79 in one run,
 # 44 vs 54, 98 vs 109 in another).
 FUSED_MAX_BATCH_BF16 = 8
+# int8 weights: the layer's maximum. The module path runs the same int8 kernel per linear plus
+# ~25 torch ops per layer; measured (benchmarks/int8_speed.py --fused-ab, 1 thread, rest bf16,
+# shared machine; docs/quantization.md) fused vs module path: batch 1 20.9 vs 35.3 ms, 4: 33.1
+# vs 47.7, 8: 64.5 vs 87.4.
+FUSED_MAX_BATCH_INT8 = 8
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
 class FusedDecoder:
-    def __init__(self, layers: nn.ModuleList, kernels: DecodeKernels, eps: float, dtype: torch.dtype) -> None:
+    def __init__(self, layers: nn.ModuleList, kernels: DecodeKernels, eps: float, dtype: torch.dtype,
+                 int8: bool = False) -> None:  # fmt: skip
+        """dtype: the norms' and the pool's; int8: the linears are QuantizedLinears."""
         self._kernels = kernels
         self._eps = eps
         self.dtype = dtype
-        self.max_batch = min(FUSED_MAX_BATCH if dtype == torch.float32 else FUSED_MAX_BATCH_BF16,
-                             kernels.layer_max_rows)  # fmt: skip
+        self.int8 = int8
+        bound = FUSED_MAX_BATCH_INT8 if int8 else FUSED_MAX_BATCH if dtype == torch.float32 else FUSED_MAX_BATCH_BF16
+        self.max_batch = min(bound, kernels.layer_max_rows)
         # bf16 only: how the linears multiply (cpu_kernels.BF16_MUL; benchmarks switch it).
         self.mul = "auto"
         first = layers[0]
@@ -77,7 +95,10 @@ class FusedDecoder:
         if kernels is None or model.group.world_size != 1:
             return None
         layers = model.model.layers
-        params = [p for layer in layers for p in layer.parameters()]
+        int8 = all(isinstance(m, QuantizedLinear) and m.kernel is not None for layer in layers
+                   for m in cls._linears(layer))  # fmt: skip
+        # An int8 model's float parameters (the norms) set the dtype; its weights are int8.
+        params = [p for layer in layers for p in layer.parameters() if not (int8 and p.dtype == torch.int8)]
         if not params or params[0].dtype not in _DTYPES:
             return None
         dtype = params[0].dtype
@@ -87,10 +108,17 @@ class FusedDecoder:
             return None
         # A layer with a weight the kernel never reads (Qwen3's q/k norms, an o_proj bias) computes
         # something else than the kernel would: it keeps the module path.
-        known = {id(t) for layer in layers for t in cls._layer_tensors(layer) if t is not None}
-        if any(id(p) not in known for p in params):
+        tensors = cls._int8_tensors if int8 else cls._layer_tensors
+        known = {id(t) for layer in layers for t in tensors(layer) if isinstance(t, torch.Tensor)}
+        if any(id(p) not in known for layer in layers for p in layer.parameters()):
             return None
-        return cls(layers, kernels, layers[0].input_layernorm.eps, dtype)
+        return cls(layers, kernels, layers[0].input_layernorm.eps, dtype, int8)
+
+    @staticmethod
+    def _linears(layer: nn.Module) -> list[nn.Module | None]:
+        attn, mlp = layer.self_attn, layer.mlp
+        return [getattr(attn, "qkv_proj", None), getattr(attn, "o_proj", None), getattr(mlp, "gate_up_proj", None),
+                getattr(mlp, "down_proj", None)]  # fmt: skip
 
     @staticmethod
     def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None]:
@@ -100,11 +128,24 @@ class FusedDecoder:
                 layer.post_attention_layernorm.weight, mlp.gate_up_proj.weight, mlp.gate_up_proj.bias,
                 mlp.down_proj.weight, mlp.down_proj.bias]  # fmt: skip
 
+    @classmethod
+    def _int8_tensors(cls, layer: nn.Module) -> list[torch.Tensor | int | None]:
+        """decode.cpp's Int8Linears table: the two norms, then per linear (qkv, o, gate_up, down)
+        packed weight, w_scale, w_corr, bias, rotate."""
+        out: list[torch.Tensor | int | None] = [layer.input_layernorm.weight, layer.post_attention_layernorm.weight]
+        for m in cls._linears(layer):
+            out += [m.qweight, m.w_scale, m.w_corr, m.bias, m.rotate]
+        return out
+
     def _pointer_table(self, layer: nn.Module) -> torch.Tensor:
-        tensors = self._layer_tensors(layer)
-        assert len(tensors) == self._kernels.layer_ptrs
-        self._held += [t for t in tensors if t is not None]
-        return torch.tensor([0 if t is None else t.data_ptr() for t in tensors], dtype=torch.int64)
+        if self.int8:
+            entries, size = self._int8_tensors(layer), self._kernels.layer_int8_ptrs
+        else:
+            entries, size = self._layer_tensors(layer), self._kernels.layer_ptrs
+        assert len(entries) == size
+        self._held += [t for t in entries if isinstance(t, torch.Tensor)]
+        return torch.tensor([t.data_ptr() if isinstance(t, torch.Tensor) else t or 0 for t in entries],
+                            dtype=torch.int64)  # fmt: skip
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> bool:
         n = x.shape[0]
@@ -132,7 +173,9 @@ class FusedDecoder:
         b = x.shape[0]
         args = (dims.data_ptr(), self._eps, self._scale, cos.data_ptr(), sin.data_ptr())
         rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), torch.get_num_threads())
-        if self.dtype == torch.bfloat16:
+        if self.int8:
+            layer, rest = self._kernels.layer_int8, (*rest, int(self.dtype == torch.bfloat16))
+        elif self.dtype == torch.bfloat16:
             layer, rest = self._kernels.layer_bf16, (*rest, BF16_MUL[self.mul])
         else:
             layer = self._kernels.layer

@@ -25,11 +25,10 @@ The embedding keeps its float weight for the lookup; the head gets its own
 int8 copy.
 
 Only on the CPU and without tensor parallelism: the GPU
-paths and the row-parallel all-reduce were not written for it (config.check_quantize). The fused
-whole-layer decode (fused_decode.py) reads float32 weights through raw
-pointers; it rejects models whose parameters are not all float32, and the
-int8 weight is registered as a parameter, so a quantized model always takes
-the module path.
+paths and the row-parallel all-reduce were not written for it (config.check_quantize). At
+small batch the fused whole-layer decode (fused_decode.py) reads the packed
+tensors below through raw pointers with the same arithmetic (int8_rows.h);
+the module path runs prefill, larger batches and `--no-cpu-kernels`.
 """
 
 from __future__ import annotations
@@ -145,8 +144,7 @@ class QuantizedLinear(nn.Module):
         q, scale = quantize_weight(rotate_weight(weight.detach().float(), rotate) if rotate else weight)
         self.kernel = kernel
         n_pad = -(-self.out_features // BLOCK_N) * BLOCK_N
-        # Parameters, not buffers: fused_decode's dtype check then sees int8 and
-        # leaves this model to the module path (see the module docstring).
+        # A parameter (int8), not a buffer: fused_decode tells int8 layers by it.
         if kernel is not None:
             packed, corr = pack_int8(q)
             self.qweight = nn.Parameter(packed, requires_grad=False)
