@@ -8,7 +8,9 @@
 #
 # Needs pagemill installed, the default model converted (pagemill launch does
 # it once) and vLLM from benchmarks/peers/install.sh (PEERS, default
-# /opt/pagemill-peers). POOL_BLOCKS (default 68) blocks of 16 tokens, bf16.
+# /opt/pagemill-peers). POOL_BLOCKS (default 68) blocks of 16 tokens, bf16
+# (vLLM's CPU attention takes blocks of a multiple of 32 tokens: it gets the
+# same bytes in 32-token blocks). ONLY=name[,name] runs a subset.
 set -euo pipefail
 OUT="${1:?usage: multi_turn.sh OUT_DIR [POOL_BLOCKS]}"
 BLOCKS="${2:-68}"
@@ -33,6 +35,7 @@ wait_ready() {  # url pid
 
 run() {  # name, then the server command
   local name="$1"; shift
+  case ",${ONLY:-$name}," in *",$name,"*) ;; *) return 0 ;; esac
   echo "[$(date -u +%H:%M:%S)] $name: starting (load $(cut -d' ' -f1 /proc/loadavg))"
   "$@" > "$OUT/$name.log" 2>&1 &
   local pid=$!
@@ -44,14 +47,14 @@ run() {  # name, then the server command
 
 TIER_DIR="$(mktemp -d)"
 run pagemill-tier "$PY" -m pagemill launch --port $PORT --model "$MODEL_DIR" --model-id SmolLM2-135M-Instruct \
-  --dtype bfloat16 --kv-cache-memory "$POOL_BYTES" --kv-offload-dir "$TIER_DIR"
+  --dtype bfloat16 --kv-cache-memory "$POOL_BYTES" --max-total-tokens 1024 --max-input-tokens 1000 --kv-offload-dir "$TIER_DIR"
 rm -rf "$TIER_DIR"
 run pagemill-no-tier "$PY" -m pagemill launch --port $PORT --model "$MODEL_DIR" --model-id SmolLM2-135M-Instruct \
-  --dtype bfloat16 --kv-cache-memory "$POOL_BYTES"
+  --dtype bfloat16 --kv-cache-memory "$POOL_BYTES" --max-total-tokens 1024 --max-input-tokens 1000
 PRELOAD="$(ls /usr/lib/*/libtcmalloc_minimal.so.4 2>/dev/null | head -1):$(find "$PEERS/vllm" -name libiomp5.so | head -1)"
 run vllm-prefix-cache env VLLM_CPU_OMP_THREADS_BIND="0-$(( $(nproc) - 1 ))" VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 \
   LD_PRELOAD="$PRELOAD" "$PEERS/vllm/bin/vllm" serve "$MODEL_DIR" --dtype bfloat16 --max-model-len 1024 \
-  --max-num-seqs 64 --enable-prefix-caching --kv-cache-memory-bytes "$POOL_BYTES" --block-size 16 \
+  --max-num-seqs 64 --enable-prefix-caching --kv-cache-memory-bytes "$POOL_BYTES" --block-size 32 \
   --host 127.0.0.1 --port $PORT --served-model-name SmolLM2-135M-Instruct
 
 "$PY" - "$OUT" <<'PYEOF'
