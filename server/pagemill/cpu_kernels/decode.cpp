@@ -134,8 +134,6 @@ void linear_share(const Rows& x, const T* w, const T* bias, float* y, int64_t N,
 }
 
 constexpr int kMaxLayerRows = 8;
-// Multiply-adds below which paged attention stays on one thread.
-constexpr int64_t kParallelWork = 1 << 20;
 
 template <typename T>
 void linear(int64_t M, const Rows& x, const T* w, const T* bias, float* y, int64_t N, int64_t K, bool add) {
@@ -294,54 +292,6 @@ int dense_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, f
                       eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens, slots, window, threads);
 }
 
-// Attention of B single-token queries against their paged caches.
-// q: token b's heads at q + b * q_stride (heads contiguous, D apart);
-// out [B, nh, D]; block_tables [B, width] int32; context_lens [B] int32; window > 0:
-// each query sees only its last `window` keys.
-// q, out and the caches hold T; the arithmetic is float32.
-// C: the cache's element type (T, or fp8 read through vec.h's to_float).
-template <typename T, typename C = T>
-int paged_attention(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int32_t* block_tables,
-                    int64_t width, const int32_t* context_lens, T* out, int64_t B, int64_t nh, int64_t nkv,
-                    int64_t D, int64_t bs, float scale, int64_t window, int threads) {
-  if (nkv <= 0 || nh % nkv != 0) return 1;
-  const int64_t group = nh / nkv;
-  // Small steps run on the calling thread: a parallel region's barrier costs
-  // more than the work, and far more when the cores are shared (a descheduled
-  // thread stalls the others; measured: a 2-layer test model decoding 12
-  // sequences went from 29 to 70 ms a step under load).
-  int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += context_lens[b] > 0 ? context_lens[b] : 0;
-  const bool parallel = work * nh * D >= kParallelWork;
-#pragma omp parallel num_threads(threads) if (parallel)
-  {
-    std::vector<float> scores, qf(group * D), of(group * D);
-#pragma omp for collapse(2) schedule(dynamic, 1)
-    for (int64_t b = 0; b < B; ++b) {
-      for (int64_t j = 0; j < nkv; ++j) {
-        const int64_t len = context_lens[b];
-        const T* qg = q + b * q_stride + j * group * D;
-        T* o = out + (b * nh + j * group) * D;
-        if (len <= 0) {
-          memset(o, 0, group * D * sizeof(T));
-          continue;
-        }
-        const int64_t first = first_key(len, window);
-        scores.resize(group * (len - first));
-        const PagedKV<C> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
-        if constexpr (std::is_same_v<T, float>) {
-          attend_group(qg, D, group, kv, j, first, len, scale, scores.data(), o, D);
-        } else {  // widen this group's queries, narrow its outputs
-          for (int64_t i = 0; i < group * D; ++i) qf[i] = to_float(qg[i]);
-          attend_group(qf.data(), D, group, kv, j, first, len, scale, scores.data(), of.data(), D);
-          for (int64_t i = 0; i < group * D; ++i) o[i] = from_float<T>(of[i]);
-        }
-      }
-    }
-  }
-  return 0;
-}
-
 }  // namespace
 
 extern "C" {
@@ -391,7 +341,7 @@ int pagemill_paged_attention(const float* q, int64_t q_stride, const float* k_ca
                              const int32_t* block_tables, int64_t width, const int32_t* context_lens, float* out,
                              int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int64_t window,
                              int threads) {
-  return paged_attention<float>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
+  return pagemill::attend_batch<float>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
                                 bs, scale, window, threads);
 }
 
@@ -404,7 +354,7 @@ int pagemill_paged_attention_fp8(const void* q, int q_bf16, int fp8, int64_t q_s
   using pagemill::fp8e4m3;
   using pagemill::fp8e5m2;
 #define PAGEMILL_FP8_CALL(T, C)                                                                              \
-  return paged_attention<T, C>((const T*)q, q_stride, (const C*)k_cache, (const C*)v_cache, block_tables, width, \
+  return pagemill::attend_batch<T, C>((const T*)q, q_stride, (const C*)k_cache, (const C*)v_cache, block_tables, width, \
                                context_lens, (T*)out, B, nh, nkv, D, bs, scale, window, threads)
   if (q_bf16 && fp8 == 0) PAGEMILL_FP8_CALL(bf16, fp8e4m3);
   if (q_bf16) PAGEMILL_FP8_CALL(bf16, fp8e5m2);
@@ -417,7 +367,7 @@ int pagemill_paged_attention_bf16(const bf16* q, int64_t q_stride, const bf16* k
                                   const int32_t* block_tables, int64_t width, const int32_t* context_lens, bf16* out,
                                   int64_t B, int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale,
                                   int64_t window, int threads) {
-  return paged_attention<bf16>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
+  return pagemill::attend_batch<bf16>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, D,
                                bs, scale, window, threads);
 }
 }
