@@ -36,9 +36,10 @@ def test_token_check_all_exact_is_ok_and_empty_is_not():
         rep.check_tokens([1, 2], [1])
 
 
-def _run(tok_s, b1, ok=True, note="ok", rss=500.0):
+def _run(tok_s, b1, ok=True, note="ok", rss=500.0, floor=10.0):
     return {"output_tok_s": tok_s, "ttft_p50_ms": 100.0, "ttft_p99_ms": 900.0, "tpot_p50_ms": 50.0,
-            "batch1_ms_per_token": b1, "rss_mib": rss, "tokens_ok": ok, "token_note": note}  # fmt: skip
+            "batch1_ms_per_token": b1, "rss_mib": rss, "tokens_ok": ok, "token_note": note,
+            "batch1_floor_ms": floor, "bandwidth_gbs": 30.0}  # fmt: skip
 
 
 def test_median_summary_over_runs_and_token_flags():
@@ -73,6 +74,31 @@ def test_markdown_table_flags_short_outputs():
     assert "0.48x" in lines[2] and "**SHORT: c=64: 60/64 short (40% of tokens)**" in lines[2]
     assert "1.00x" in lines[3] and "all requested" in lines[3]
     assert lines[3].count("| - |") == 1  # no llama.cpp figure to compare with
+
+
+def test_batch1_against_its_memory_floor():
+    from pagemill.bench.compare import batch1_floor_ms
+    from pagemill.bench.roofline import Machine
+    from pagemill.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "vocab_size": 1000, "max_position_embeddings": 256})  # fmt: skip
+    m = Machine(threads=2, copy_gbs=1.0, sum_gbs=1.0, bandwidth_gbs=1.0, matmul_gflops=1.0)
+    bf16, int8, fp32 = (batch1_floor_ms(cfg, m, p, 100) for p in ("bf16", "int8", "fp32"))
+    # weights: 2 layers of (64 x (64 + 2 * 32) + 64 x 64 + 3 x 64 x 128) + the 1000 x 64 head, norms, KV of 100 tokens
+    weights = 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128) + 1000 * 64 + 2 * 2 * 64
+    kv = 100 * 2 * 2 * 32
+    assert bf16 == pytest.approx((weights + kv) * 2 / 1e9 * 1e3)
+    assert fp32 == pytest.approx(2 * bf16) and int8 == pytest.approx(bf16 / 2)
+    assert batch1_floor_ms(cfg, m, "mystery", 100) is None
+    runs = [_run(300, 12.0, floor=10.0), _run(310, 13.0, floor=9.0), _run(320, 14.0, floor=11.0)]
+    s = rep.median_summary(runs)
+    assert s["batch1_floor_ms"] == 10.0 and s["bandwidth_gbs"] == 30.0
+    r = rep.ratios({"pm": s}, "pm", ())
+    assert r["pm"]["b1_vs_floor"] == pytest.approx(1.3)
+    table = rep.markdown_table([{"name": "pm", "precision": "bf16", "summary": s}], r, "pm", ())
+    assert "batch-1 floor ms | batch-1 vs floor" in table and "| 13.0 | 10.0 | 1.30x |" in table
 
 
 def test_parse_cpuinfo_names_the_kernel_flags():

@@ -4,7 +4,8 @@ Each configuration runs alone, fresh, `--runs` times (interleaved: run 1 of
 every server, then run 2...), so a warm prefix cache or a noisy minute
 does not favour one server:
 
-  wait for an idle machine (1-min load average) -> launch -> wait for
+  wait for an idle machine (1-min load average) -> its read bandwidth (the
+  batch-1 memory floor at the server's precision) -> launch -> wait for
   /health -> warm up -> resident memory of the whole process tree ->
   the c=64 workload -> the batch-1 workload -> stop the whole tree.
 
@@ -29,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 
 import httpx
 
@@ -38,6 +40,8 @@ from pagemill.bench.load import LoadConfig, run_load, warm
 from pagemill.bench import server_probe as probe
 from pagemill.bench.metrics import compute_metrics
 from pagemill.bench.peer_configs import MODEL_NAME, ServerConfig, select
+from pagemill.bench.roofline import Machine, decode_floor, measure_machine
+from pagemill.models.config import ModelConfig
 
 
 def _log(msg: str) -> None:
@@ -163,10 +167,22 @@ def measure(records, requests, duration: float) -> tuple[dict, rep.TokenCheck]:
     return metrics, check
 
 
-def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs, log_path: str) -> dict:
+def batch1_floor_ms(model_cfg: ModelConfig, machine: Machine, precision: str, context: int) -> float | None:
+    """Time to read every weight (and the context's KV) once at the machine's bandwidth: what one
+    batch-1 decode step at `precision` cannot beat. None for a precision without a known size."""
+    nbytes = rep.WEIGHT_BYTES.get(precision.lower())
+    return None if nbytes is None else decode_floor(model_cfg, machine, 1, context, nbytes).memory_ms
+
+
+def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs, log_path: str,
+            model_cfg: ModelConfig) -> dict:
     cfg = LoadConfig(base_url=f"http://127.0.0.1:{values['port']}", endpoint="openai", model=MODEL_NAME,
                      max_concurrency=a.concurrency, seed=a.seed, progress=not a.no_progress, keepalive=False)  # fmt: skip
     out: dict = {"load_before": wait_idle(a.idle_load, a.idle_wait_s)}
+    # The machine's read bandwidth now, idle, with no server loaded: the batch-1
+    # memory floor of this run (docs/benchmarks.md).
+    machine = measure_machine()
+    out["machine"] = asdict(machine)
     with PeerServer(config, values, log_path, a.ready_timeout_s) as server:
         out["ready_s"] = server.ready_s
         asyncio.run(warm(cfg, warm_reqs[0], n=2))
@@ -190,6 +206,8 @@ def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs
         "tpot_p50_ms": main["tpot"]["percentiles_ms"]["p50"],
         "batch1_ms_per_token": b1["tpot"]["median_ms"] if b1["completed"] else None,
         "rss_mib": out["rss_mib"], "tokens_ok": check.ok and b1check.ok, "token_note": note,
+        "batch1_floor_ms": batch1_floor_ms(model_cfg, machine, config.precision, 64 + a.batch1_output_len // 2),
+        "bandwidth_gbs": machine.bandwidth_gbs,
     }  # fmt: skip
     return out
 
@@ -227,6 +245,7 @@ def run_compare(a) -> dict:
     cpu = cpu_info()
     configs = select(a.servers, set(cpu["flags"]), a.pagemill, a.server)
     model_dir = resolve_model_dir(a.model_dir)
+    model_cfg = ModelConfig.from_model_dir(model_dir)
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     main_reqs, b1_reqs, warm_reqs = _requests(a, tok)
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
@@ -245,7 +264,7 @@ def run_compare(a) -> dict:
             _log(f"run {run + 1}/{a.runs}: {c.name}")
             try:
                 r = one_run(c, values, a, main_reqs, b1_reqs, warm_reqs,
-                            os.path.join(a.out, "logs", f"{c.name}-run{run + 1}.log"))  # fmt: skip
+                            os.path.join(a.out, "logs", f"{c.name}-run{run + 1}.log"), model_cfg)  # fmt: skip
                 s = r["summary"]
                 _log(f"  {s['output_tok_s'] or 0:.1f} out tok/s, TTFT p50/p99 {s['ttft_p50_ms']:.0f}/"
                      f"{s['ttft_p99_ms']:.0f} ms, TPOT p50 {s['tpot_p50_ms']:.1f} ms, batch-1 "

@@ -11,7 +11,14 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
                 "avx_vnni", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
 
 # Columns reported per server: key in a run's summary -> how runs combine.
-SUMMARY_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "batch1_ms_per_token", "rss_mib")
+SUMMARY_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "batch1_ms_per_token", "rss_mib",
+                "batch1_floor_ms", "bandwidth_gbs")
+
+# Bytes per weight of each precision a server can run at, for the batch-1
+# memory floor (GGUF Q4_1: 32 weights in 16 bytes of nibbles + two fp16s;
+# Q8_0: 32 int8 + one fp16; our int8: one byte + a float scale per 576+ row).
+WEIGHT_BYTES = {"fp32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "int8": 1.0,
+                "q8_0": 34 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
 
 
 @dataclass
@@ -85,6 +92,7 @@ def ratios(summaries: dict[str, dict], throughput_ref: str, latency_refs: tuple[
     ref_t = (summaries.get(throughput_ref) or {}).get("output_tok_s")
     for name, s in summaries.items():
         r = {f"tok_s_vs_{throughput_ref}": ratio(s.get("output_tok_s"), ref_t)}
+        r["b1_vs_floor"] = ratio(s.get("batch1_ms_per_token"), s.get("batch1_floor_ms"))
         for ref in latency_refs:
             r[f"b1_vs_{ref}"] = ratio(s.get("batch1_ms_per_token"), (summaries.get(ref) or {}).get("batch1_ms_per_token"))
         out[name] = r
@@ -103,7 +111,7 @@ def markdown_table(rows: list[dict], ratio_rows: dict[str, dict], throughput_ref
                    latency_refs: tuple[str, ...], concurrency: int = 64) -> str:  # fmt: skip
     """rows: {name, precision, summary}; one line per server, in run order."""
     head = ["server", "precision", f"out tok/s c={concurrency}", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
-            "batch-1 ms/token", "RSS MiB", f"tok/s vs {throughput_ref}",
+            "batch-1 ms/token", "batch-1 floor ms", "batch-1 vs floor", "RSS MiB", f"tok/s vs {throughput_ref}",
             *[f"batch-1 vs {r}" for r in latency_refs], "output tokens"]  # fmt: skip
     lines = ["| " + " | ".join(head) + " |", "| --- | --- | " + " | ".join(["---:"] * (len(head) - 3)) + " | --- |"]
     for row in rows:
@@ -111,7 +119,7 @@ def markdown_table(rows: list[dict], ratio_rows: dict[str, dict], throughput_ref
         check = "no run finished" if not s["runs"] else "all requested" if s["tokens_ok"] else "**SHORT: " + "; ".join(s["token_notes"] or ["?"]) + "**"
         cells = [row["name"], row["precision"], _f(s["output_tok_s"], ".1f"), _f(s["ttft_p50_ms"], ".0f"),
                  _f(s["ttft_p99_ms"], ".0f"), _f(s["tpot_p50_ms"], ".1f"), _f(s["batch1_ms_per_token"], ".1f"),
-                 _f(s["rss_mib"], ".0f"), _x(r.get(f"tok_s_vs_{throughput_ref}")),
+                 _f(s.get("batch1_floor_ms"), ".1f"), _x(r.get("b1_vs_floor")), _f(s["rss_mib"], ".0f"), _x(r.get(f"tok_s_vs_{throughput_ref}")),
                  *[_x(r.get(f"b1_vs_{ref}")) for ref in latency_refs], check]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
