@@ -77,7 +77,7 @@ def test_markdown_table_flags_short_outputs():
 
 
 def test_batch1_against_its_memory_floor():
-    from pagemill.bench.compare import batch1_floor_ms
+    from pagemill.bench.compare_floors import batch1_floor_ms
     from pagemill.bench.roofline import Machine
     from pagemill.models.config import ModelConfig
 
@@ -99,6 +99,40 @@ def test_batch1_against_its_memory_floor():
     assert r["pm"]["b1_vs_floor"] == pytest.approx(1.3)
     table = rep.markdown_table([{"name": "pm", "precision": "bf16", "summary": s}], r, "pm", ())
     assert "batch-1 floor ms | batch-1 vs floor" in table and "| 13.0 | 10.0 | 1.30x |" in table
+
+
+def test_workload_ceiling_is_the_continuous_floor_at_the_precisions_gemm_rate():
+    from types import SimpleNamespace
+
+    from pagemill.bench.compare_floors import workload_ceiling
+    from pagemill.bench.roofline import Machine
+    from pagemill.bench.workload_floor import continuous_floor
+    from pagemill.models.config import ModelConfig
+
+    cfg = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+                                 "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                 "vocab_size": 1000, "max_position_embeddings": 256})  # fmt: skip
+    reqs = [SimpleNamespace(prompt_len=p, output_len=o) for p, o in ((32, 16), (200, 64), (90, 40))]
+    m = Machine(threads=2, copy_gbs=1.0, sum_gbs=1.0, bandwidth_gbs=1.0, matmul_gflops=0.001, matmul_bf16_gflops=0.004)
+    bf16 = workload_ceiling(cfg, m, "bf16", reqs)
+    fp32 = workload_ceiling(cfg, m, "fp32", reqs)
+    fast = Machine(threads=2, copy_gbs=1.0, sum_gbs=1.0, bandwidth_gbs=1.0, matmul_gflops=0.004)
+    assert bf16 == pytest.approx(continuous_floor(cfg, fast, [32, 200, 90], [16, 64, 40], 2).throughput_ceiling)
+    assert fp32 == pytest.approx(continuous_floor(cfg, m, [32, 200, 90], [16, 64, 40], 4).throughput_ceiling)
+    assert bf16 > fp32 > 0
+    assert workload_ceiling(cfg, m, "int8", reqs) is None  # no int8 GEMM rate measured
+    old = Machine(threads=2, copy_gbs=1.0, sum_gbs=1.0, bandwidth_gbs=1.0, matmul_gflops=1.0)
+    assert workload_ceiling(cfg, old, "bf16", reqs) is None  # a machine record from before bf16 was measured
+
+
+def test_summary_markdown_states_floors_and_bandwidth():
+    s = rep.median_summary([{**_run(300, 12.0), "ceiling_tok_s": 600.0}])
+    res = {"started": "now", "cpu": rep.parse_cpuinfo(CPUINFO), "command": "pagemill bench compare",
+           "args": {"num_prompts": 64, "concurrency": 64, "input_min": 32, "input_max": 256, "output_min": 16,
+                    "output_max": 256, "seed": 0, "batch1_prompts": 4, "batch1_output_len": 128},
+           "servers": [{"name": "pm", "summary": s, "runs": [{"load_before": 0.5, "machine": {"bandwidth_gbs": 31.0}}]}]}
+    text = rep.summary_markdown(res, "TABLE")
+    assert "pm 600 tok/s (measured 300, 50%)" in text and "pm 31.0" in text and "TABLE" in text
 
 
 def test_parse_cpuinfo_names_the_kernel_flags():

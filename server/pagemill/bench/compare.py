@@ -40,7 +40,8 @@ from pagemill.bench.load import LoadConfig, run_load, warm
 from pagemill.bench import server_probe as probe
 from pagemill.bench.metrics import compute_metrics
 from pagemill.bench.peer_configs import MODEL_NAME, ServerConfig, select
-from pagemill.bench.roofline import Machine, decode_floor, measure_machine
+from pagemill.bench.compare_floors import batch1_floor_ms, workload_ceiling
+from pagemill.bench.roofline import measure_machine
 from pagemill.models.config import ModelConfig
 
 
@@ -167,13 +168,6 @@ def measure(records, requests, duration: float) -> tuple[dict, rep.TokenCheck]:
     return metrics, check
 
 
-def batch1_floor_ms(model_cfg: ModelConfig, machine: Machine, precision: str, context: int) -> float | None:
-    """Time to read every weight (and the context's KV) once at the machine's bandwidth: what one
-    batch-1 decode step at `precision` cannot beat. None for a precision without a known size."""
-    nbytes = rep.WEIGHT_BYTES.get(precision.lower())
-    return None if nbytes is None else decode_floor(model_cfg, machine, 1, context, nbytes).memory_ms
-
-
 def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs, log_path: str,
             model_cfg: ModelConfig) -> dict:
     cfg = LoadConfig(base_url=f"http://127.0.0.1:{values['port']}", endpoint="openai", model=MODEL_NAME,
@@ -207,6 +201,7 @@ def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs
         "batch1_ms_per_token": b1["tpot"]["median_ms"] if b1["completed"] else None,
         "rss_mib": out["rss_mib"], "tokens_ok": check.ok and b1check.ok, "token_note": note,
         "batch1_floor_ms": batch1_floor_ms(model_cfg, machine, config.precision, 64 + a.batch1_output_len // 2),
+        "ceiling_tok_s": workload_ceiling(model_cfg, machine, config.precision, main_reqs),
         "bandwidth_gbs": machine.bandwidth_gbs,
     }  # fmt: skip
     return out
@@ -295,7 +290,7 @@ def write(res: dict, out: str, merge: str | None = None) -> dict:
     with open(os.path.join(out, "compare.json"), "w") as f:
         json.dump(res, f, indent=1, default=str)
     with open(os.path.join(out, "compare.md"), "w") as f:
-        f.write(summary_markdown(res, table))
+        f.write(rep.summary_markdown(res, table))
     try:
         from pagemill.bench.compare_plot import compare_plot
 
@@ -303,24 +298,3 @@ def write(res: dict, out: str, merge: str | None = None) -> dict:
     except ImportError as e:  # matplotlib is in the optional `bench` extra
         _log(f"no plot: {e}")
     return res
-
-
-def summary_markdown(res: dict, table: str) -> str:
-    a = res["args"]
-    runs = [len([r for r in s["runs"] if "summary" in r]) for s in res["servers"]]
-    lines = [f"# pagemill bench compare ({res['started']})", "",
-             f"CPU: {rep.cpu_line(res['cpu'])}", "",
-             f"Workload: {a['num_prompts']} requests at {a['concurrency']} concurrent, prompts {a['input_min']}-"
-             f"{a['input_max']} tokens, outputs {a['output_min']}-{a['output_max']} tokens (ignore EOS), seed "
-             f"{a['seed']}; batch-1: {a['batch1_prompts']} sequential requests of 64 prompt + "
-             f"{a['batch1_output_len']} output tokens. Medians of {min(runs, default=0)}-{max(runs, default=0)} "
-             "fresh-start runs per server; RSS: the whole process tree after warm-up.", "",
-             table, "", f"Command: `{res['command']}`", ""]  # fmt: skip
-    loads = [f"{s['name']} " + "/".join(f"{r['load_before']:.1f}" for r in s["runs"] if "load_before" in r)
-             for s in res["servers"]]  # fmt: skip
-    lines += ["1-min load average before each run (2 cores; other work on the machine distorts every figure): "
-              + ", ".join(loads), ""]  # fmt: skip
-    failed = [(s["name"], r["failed"]) for s in res["servers"] for r in s["runs"] if "failed" in r]
-    if failed:
-        lines += ["Failed runs:", "", *[f"- {n}: {e}" for n, e in failed], ""]
-    return "\n".join(lines)

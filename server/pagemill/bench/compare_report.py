@@ -12,7 +12,7 @@ KERNEL_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni",
 
 # Columns reported per server: key in a run's summary -> how runs combine.
 SUMMARY_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "batch1_ms_per_token", "rss_mib",
-                "batch1_floor_ms", "bandwidth_gbs")
+                "batch1_floor_ms", "bandwidth_gbs", "ceiling_tok_s")
 
 # Bytes per weight of each precision a server can run at, for the batch-1
 # memory floor (GGUF Q4_1: 32 weights in 16 bytes of nibbles + two fp16s;
@@ -144,3 +144,34 @@ def parse_cpuinfo(text: str) -> dict:
 def cpu_line(cpu: dict) -> str:
     return f"{cpu['model']} ({cpu['cpus']} CPUs): {' '.join(cpu['flags']) or 'none of ' + ' '.join(KERNEL_FLAGS)}" + (
         f"; no {' '.join(cpu['missing'])}" if cpu["missing"] else "")  # fmt: skip
+
+
+def summary_markdown(res: dict, table: str) -> str:
+    a = res["args"]
+    runs = [len([r for r in s["runs"] if "summary" in r]) for s in res["servers"]]
+    lines = [f"# pagemill bench compare ({res['started']})", "",
+             f"CPU: {cpu_line(res['cpu'])}", "",
+             f"Workload: {a['num_prompts']} requests at {a['concurrency']} concurrent, prompts {a['input_min']}-"
+             f"{a['input_max']} tokens, outputs {a['output_min']}-{a['output_max']} tokens (ignore EOS), seed "
+             f"{a['seed']}; batch-1: {a['batch1_prompts']} sequential requests of 64 prompt + "
+             f"{a['batch1_output_len']} output tokens. Medians of {min(runs, default=0)}-{max(runs, default=0)} "
+             "fresh-start runs per server; RSS: the whole process tree after warm-up.", "",
+             table, "", f"Command: `{res['command']}`", ""]  # fmt: skip
+    loads = [f"{s['name']} " + "/".join(f"{r['load_before']:.1f}" for r in s["runs"] if "load_before" in r)
+             for s in res["servers"]]  # fmt: skip
+    lines += ["1-min load average before each run (2 cores; other work on the machine distorts every figure): "
+              + ", ".join(loads), ""]  # fmt: skip
+    ceilings = [f"{s['name']} {s['summary']['ceiling_tok_s']:.0f} tok/s (measured {s['summary']['output_tok_s'] or 0:.0f}, "
+                f"{(s['summary']['output_tok_s'] or 0) / s['summary']['ceiling_tok_s']:.0%})"
+                for s in res["servers"] if s["summary"].get("ceiling_tok_s")]  # fmt: skip
+    if ceilings:
+        lines += ["The c=%d workload's roofline ceiling on this machine (every step at the bandwidth and the bf16 or "
+                  "fp32 GEMM rate measured before each run; bench/workload_floor.py): " % a["concurrency"]
+                  + ", ".join(ceilings), ""]  # fmt: skip
+    lines += [f"Read bandwidth before each run (GB/s): " + ", ".join(
+        s["name"] + " " + "/".join(f"{r['machine']['bandwidth_gbs']:.1f}" for r in s["runs"] if "machine" in r)
+        for s in res["servers"])] if any("machine" in r for s in res["servers"] for r in s["runs"]) else []  # fmt: skip
+    failed = [(s["name"], r["failed"]) for s in res["servers"] for r in s["runs"] if "failed" in r]
+    if failed:
+        lines += ["Failed runs:", "", *[f"- {n}: {e}" for n, e in failed], ""]
+    return "\n".join(lines)

@@ -8,7 +8,8 @@ sequence, and must do 2 FLOPs per weight per token plus attention. So
 
 bandwidth: the better of a large tensor copy (read + write counted) and a
 large sum (read), both far beyond the last-level cache; matmul rate: a
-large float32 torch.mm. Both with the torch thread count in force.
+large float32 torch.mm (and the same in bfloat16 for bf16 floors). Both with
+the torch thread count in force.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class Machine:
     sum_gbs: float
     bandwidth_gbs: float  # the one the roofline uses: max(copy, sum)
     matmul_gflops: float
+    matmul_bf16_gflops: float | None = None  # the same product in bfloat16 (oneDNN's bf16 GEMM)
 
 
 @dataclass
@@ -62,7 +64,9 @@ def measure_machine(buffer_mib: int = 512, mm_size: int = 2048, repeats: int = 5
     del a, b
     x = torch.randn(mm_size, mm_size)
     mm = 2 * mm_size**3 / _best_of(lambda: torch.mm(x, x), repeats) / 1e9
-    return Machine(torch.get_num_threads(), copy, summ, max(copy, summ), mm)
+    x = x.bfloat16()
+    mm_bf16 = 2 * mm_size**3 / _best_of(lambda: torch.mm(x, x), repeats) / 1e9
+    return Machine(torch.get_num_threads(), copy, summ, max(copy, summ), mm, mm_bf16)
 
 
 def decode_floor(cfg: ModelConfig, m: Machine, batch_size: int, context: int, dtype_bytes: int = 4) -> Floor:

@@ -39,7 +39,7 @@ class WorkloadFloor:
 
 
 class _Cost:
-    def __init__(self, cfg: ModelConfig, m: Machine, dtype_bytes: int = 4) -> None:
+    def __init__(self, cfg: ModelConfig, m: Machine, dtype_bytes: float = 4) -> None:
         h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
         q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
         self.layer_params = cfg.num_hidden_layers * (h * (q + 2 * kv) + q * h + 3 * h * i)
@@ -56,8 +56,9 @@ class _Cost:
 
 
 def continuous_floor(cfg: ModelConfig, m: Machine, prompt_lens: Sequence[int],
-                     output_lens: Sequence[int]) -> WorkloadFloor:  # fmt: skip
-    c = _Cost(cfg, m)
+                     output_lens: Sequence[int], dtype_bytes: float = 4) -> WorkloadFloor:  # fmt: skip
+    """dtype_bytes: bytes per weight and KV entry (m.matmul_gflops should be that dtype's rate)."""
+    c = _Cost(cfg, m, dtype_bytes)
     # Prefill in one pass: weights read once, causal attention within each prompt.
     prefill = c.step(sum(prompt_lens), len(prompt_lens), sum(prompt_lens), sum(p * (p + 1) // 2 for p in prompt_lens))
     decode, computed = 0.0, 0
