@@ -109,7 +109,8 @@ def _timed(fn, clock) -> int:
     return clock() - t
 
 
-def run(dtype: str, threads: int, batch: int, steps: int, prompt: int, clock: str, adaptive: bool) -> dict:
+def run(dtype: str, threads: int, batch: int, steps: int, prompt: int, clock: str, adaptive: bool,
+        huge_pages: bool = True) -> dict:
     from pagemill.bench.cli import resolve_model_dir
     from pagemill.bench.shard_driver import random_prompts, warm_runner
     from pagemill.config import ShardConfig
@@ -120,7 +121,7 @@ def run(dtype: str, threads: int, batch: int, steps: int, prompt: int, clock: st
     torch.set_num_threads(threads)
     bw_before = bandwidth_gbs(CLOCKS[clock])
     runner = ModelRunner.from_shard_config(ShardConfig(model_dir=resolve_model_dir(None), uds_path="", dtype=dtype,
-                                                         adaptive_threads=adaptive))
+                                                         adaptive_threads=adaptive, huge_pages=huge_pages))
     total = prompt + steps + 2
     warm_runner(runner, max_batch_size=batch, max_prefill_tokens=batch * prompt, max_input=total)
     timer = Timer(CLOCKS[clock])
@@ -195,13 +196,15 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--clock", default="wall", choices=sorted(CLOCKS),
                    help="cpu: process CPU time (use with --threads 1 on a shared machine)")
+    p.add_argument("--no-huge-pages", action="store_true", help="weights and pool in plain 4 KiB pages")
     p.add_argument("--adaptive-threads", action="store_true",
                    help="let the shard run small steps on one thread when faster (shard/threads.py); off: "
                         "every step runs --threads")
     p.add_argument("--json", default=None)
     a = p.parse_args()
     with torch.inference_mode():
-        res = run(a.dtype, a.threads, a.batch_size, a.steps, a.prompt_len, a.clock, a.adaptive_threads)
+        res = run(a.dtype, a.threads, a.batch_size, a.steps, a.prompt_len, a.clock, a.adaptive_threads,
+                  not a.no_huge_pages)
     print(f"{res['dtype']}, batch {res['batch']}, {res['threads']} threads, {res['clock']} clock, bandwidth {res['bandwidth_gbs']:.1f} GB/s")
     print(table(res))
     if a.json:

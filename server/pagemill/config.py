@@ -67,6 +67,9 @@ class ShardConfig:
     cpu_kernels: bool = option(True, help="compiled float32/bfloat16 CPU decode kernels: whole-layer decode up to 5 "
                                           "(bf16: 8) sequences, single-row matvec, in-place paged attention (needs a "
                                           "C++ compiler; docs/cpu.md)")
+    # models/huge_pages.py, docs/cpu.md
+    huge_pages: bool = option(True, help="CPU weights and KV pool in transparent huge pages (2 MiB) where the OS "
+                                         "allows it: fewer TLB misses when a decode step streams the weights")
     # models/quantized_linear.py
     quantize: str | None = option(None, choices=QUANTIZE_METHODS,
                                   help="int8: int8 weights per output channel and int8 activations per token for "

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from pagemill.attention.backend import AttentionBackend
 from pagemill.config import check_quantize
+from pagemill.models.huge_pages import move_to_huge_pages
 from pagemill.models.config import ModelConfig
 from pagemill.models.architectures import model_class
 from pagemill.models.impl import choose_impl
@@ -63,11 +64,13 @@ def load_model(
     cpu_kernels: bool = True,
     quantize: str | None = None,
     model_impl: str = "auto",
+    huge_pages: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """group: this rank's tensor-parallel group; the rank then reads only its slices.
     cpu_kernels: use the compiled CPU decode kernels (matvec, fused small-batch decode; docs/cpu.md).
     quantize: None, or "int8" for int8 linears (models/quantized_linear.py; CPU, one shard).
-    model_impl: auto, native or transformers (models/impl.py)."""
+    model_impl: auto, native or transformers (models/impl.py).
+    huge_pages: CPU weights in one huge-page arena (models/huge_pages.py)."""
     dtype, device = parse_dtype(dtype), torch.device(device)
     world_size = group.world_size if group is not None else 1
     check_quantize(quantize, device.type, world_size)
@@ -91,6 +94,8 @@ def load_model(
     model.eval().requires_grad_(False)
     if quantize is not None:
         quantize_model(model, cpu_kernels)
+    if huge_pages and device.type == "cpu":
+        move_to_huge_pages(model)  # before pack_weights takes pointers into the weights
     model.pack_weights(cpu_kernels)  # CPU float32/bf16 only; see models/packed_linear.py
     if config.layer_windows:
         windowed = sum(w is not None for w in config.layer_windows)

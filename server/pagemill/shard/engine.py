@@ -77,10 +77,11 @@ class ModelRunner:
         cpu_kernels: bool = False,
         kv_offload: TierOptions = TierOptions(),
         adaptive_threads: bool = False,
+        huge_pages: bool = False,
     ) -> None:
         """cpu_kernels: sample plain greedy batches with the compiled kernel (cpu_kernels/greedy.cpp).
         adaptive_threads: run small fused CPU decode steps with all threads or one, whichever
-        measures faster (shard/threads.py)."""
+        measures faster (shard/threads.py). huge_pages: a CPU KV pool in huge pages (models/huge_pages.py)."""
         self.model, self.config = model, config
         self.device = torch.device(device)
         self.dtype = next(model.parameters()).dtype
@@ -96,6 +97,7 @@ class ModelRunner:
         self.eos_ids = frozenset(config.eos_token_ids)
         self.pool: KVPool | None = None
         self.kv_offload = kv_offload
+        self.huge_pages = huge_pages
         self.store = None  # the second KV tier, opened at warmup over the pool's layout
         self.requests: dict[int, RequestState] = {}  # what the shard holds per request id, between steps
         self.kv_dtype = parse_kv_cache_dtype(kv_cache_dtype, self.dtype)  # the pool's storage dtype
@@ -129,7 +131,8 @@ class ModelRunner:
         dtype, why = resolve_dtype(cfg.dtype, device)
         log.info("dtype %s (%s)", dtype, why)
         model, config = load_model(cfg.model_dir, parse_dtype(dtype), device, backend, group,
-                                   cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize, model_impl=cfg.model_impl)
+                                   cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize, model_impl=cfg.model_impl,
+                                   huge_pages=cfg.huge_pages)  # fmt: skip
         draft = None
         if cfg.speculate > 0 and cfg.speculate_method == "draft":
             if not cfg.draft_model:
@@ -155,6 +158,7 @@ class ModelRunner:
             cpu_kernels=cfg.cpu_kernels,
             kv_offload=TierOptions(cfg.kv_offload_dir, cfg.kv_offload_disk, cfg.kv_offload_memory),
             adaptive_threads=cfg.adaptive_threads,
+            huge_pages=cfg.huge_pages,
         )
 
     # --- static facts and liveness -------------------------------------------------

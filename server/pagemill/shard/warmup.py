@@ -48,7 +48,7 @@ def allocate_pools(self: "ModelRunner", budget: int) -> None:
         )
     self.pool = KVPool.with_blocks(
         self.config, num_blocks=num_blocks, block_size=self.block_size, dtype=self.kv_dtype, device=self.device,
-        num_kv_heads=self.model.num_kv_heads,
+        num_kv_heads=self.model.num_kv_heads, huge_pages=self.huge_pages,
     )  # fmt: skip
     if self.draft is not None:
         self.draft.allocate(num_blocks)
