@@ -13,7 +13,9 @@ CPU time (time.process_time), median of --reps; the kernels (this tree's and,
 with --baseline, another build of the library: a .so path) run interleaved,
 in alternating order. GB/s: the KV bytes one step must read (K and V rows of all
 kv heads, scales included) over its median time, beside the machine's own
-streaming rate, a 1 GiB float32 sum in the same process.
+streaming rate, a 1 GiB float32 sum in the same process, and beside "gather":
+torch.index_select copying the same number of scattered blocks of K and V
+(the reads alone, no arithmetic: the floor of this access pattern here).
 """
 
 from __future__ import annotations
@@ -82,8 +84,9 @@ def main() -> None:
             width = -(-ctx // BS)
             q = torch.randn(batch, HEADS, D).to(qdtype)
             lens = torch.full((batch,), ctx, dtype=torch.int32)
-            times: dict[str, list[float]] = {name: [] for name in kernels}
+            times: dict[str, list[float]] = {name: [] for name in [*kernels, "gather"]}
             ids = list(range(1, num_blocks))
+            copy = torch.empty((batch * width, *k.shape[1:]), dtype=k.dtype)
             for rep in range(args.reps):
                 # Each kernel its own blocks (the step before left its blocks in the caches), in
                 # alternating order.
@@ -93,14 +96,21 @@ def main() -> None:
                     t = time.process_time()
                     kern.paged_attention(q, k, v, tables, lens, D**-0.5)
                     times[name].append(time.process_time() - t)
+                # The same reads without the arithmetic: torch copying the step's K and V blocks out.
+                random.Random(rep * 16 + 15).shuffle(ids)
+                blocks = torch.tensor(ids[: batch * width])
+                t = time.process_time()
+                torch.index_select(k, 0, blocks, out=copy[: len(blocks)])
+                torch.index_select(v, 0, blocks, out=copy[: len(blocks)])
+                times["gather"].append(time.process_time() - t)
             kv_bytes = 2 * batch * ctx * KV_HEADS * row_bytes
             row = {"dtype": dtype, "batch": batch, "context": ctx, "kv_mb": kv_bytes / 1e6}
-            for name in kernels:
+            for name in times:
                 ms = statistics.median(times[name]) * 1e3
                 row[f"{name}_ms"] = ms
                 row[f"{name}_gbs"] = kv_bytes / ms / 1e6
             rows.append(row)
-    names = list(kernels)
+    names = [*kernels, "gather"]
     print(f"streaming read (1 GiB float32 sum, 1 thread): {gbs:.1f} GB/s")
     print("| cache | batch x context | KV MB | " + " | ".join(f"{n} ms | {n} GB/s" for n in names)
           + (" | speedup |" if args.baseline else " |"))  # fmt: skip
