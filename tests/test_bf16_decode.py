@@ -71,11 +71,14 @@ def test_bf16_matvec_matches_float32_linear(library, mul, rows, n, k):
                                atol=1e-3 * ref.abs().max().item())  # fmt: skip
 
 
-# Shapes of the vectorised path (paged_attention.h: 16-token score chunks, head
-# chunks of 4/2/1 by head_dim, 300 tokens over many scattered blocks) and of its fallbacks.
+# Shapes of the vectorised path (paged_attention.h: 16-token score chunks, value
+# passes of up to 6/4/2/1 heads by head_dim split evenly, e.g. group 7 at head_dim 64 as
+# 3 + 4, bf16 values widened as even/odd halves where head_dim is a multiple of 32,
+# 300 tokens over many scattered blocks) and of its fallbacks.
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
                          [(4, 2, 16, 4), (9, 3, 64, 16), (6, 1, 40, 5), (14, 2, 128, 16), (8, 8, 96, 16),
-                          (5, 1, 256, 8), (4, 1, 80, 16)])  # fmt: skip
+                          (5, 1, 256, 8), (4, 1, 80, 16), (2, 2, 64, 16), (8, 4, 64, 16), (7, 1, 64, 16),
+                          (8, 1, 64, 16), (12, 2, 64, 16), (6, 1, 128, 16), (10, 2, 32, 16)])  # fmt: skip
 def test_bf16_paged_attention_matches_float32_reference(library, heads, kv_heads, head_dim, block_size):
     _, decode = library
     g = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)

@@ -109,7 +109,8 @@ def test_fused_path_is_skipped_where_it_does_not_apply(llama_dir):
 
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (4, 4, 32, 8),
-                                                                (6, 1, 8, 5)])  # fmt: skip
+                                                                (6, 1, 8, 5), (7, 1, 64, 16), (8, 1, 64, 16),
+                                                                (6, 1, 128, 16)])  # fmt: skip
 def test_paged_attention_matches_torch_reference(heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads * 100 + head_dim + block_size)
     num_blocks, lens = 64, [1, block_size, block_size + 1, 37, 2 * block_size - 1, 50]

@@ -272,6 +272,39 @@ inline float exp_shifted(float* s, int64_t len) {
   return _mm512_reduce_add_ps(sum);
 }
 
+// A value row as NV float32 vectors in the value pass's order: bf16 as the even
+// and the odd entries of each 32 (a shift and a mask, no shuffle: bf16 is the
+// top half of a float32), other types in order. store_values undoes the order.
+template <typename T, int NV>
+constexpr bool kEvenOdd = std::is_same_v<T, bf16> && NV % 2 == 0;
+
+template <int NV, typename T>
+inline void widen_values(const T* v, __m512* vf) {
+  if constexpr (kEvenOdd<T, NV>) {
+    for (int c = 0; c < NV / 2; ++c) {
+      const __m512i x = _mm512_loadu_si512((const void*)(v + 32 * c));
+      vf[2 * c] = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+      vf[2 * c + 1] = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xffff0000u)));
+    }
+  } else {
+    for (int c = 0; c < NV; ++c) vf[c] = load16(v + 16 * c);
+  }
+}
+
+template <int NV, typename T>
+inline void store_values(const __m512* o, __m512 inv, float* out) {
+  if constexpr (kEvenOdd<T, NV>) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    for (int c = 0; c < NV / 2; ++c) {
+      _mm512_storeu_ps(out + 32 * c, _mm512_mul_ps(_mm512_permutex2var_ps(o[2 * c], lo, o[2 * c + 1]), inv));
+      _mm512_storeu_ps(out + 32 * c + 16, _mm512_mul_ps(_mm512_permutex2var_ps(o[2 * c], hi, o[2 * c + 1]), inv));
+    }
+  } else {
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(o[c], inv));
+  }
+}
+
 // out[g] = (sum_t p[g][t] v[t]) * inv[g] for heads g < G, D = 16 * NV.
 template <int NV, int G, typename T>
 inline void group_values(const float* p, int64_t len, const T* values, const int64_t* offs, const float* inv,
@@ -283,26 +316,43 @@ inline void group_values(const float* p, int64_t len, const T* values, const int
     const T* v = values + offs[t];
     if (t + 16 < len) prefetch_row(values + offs[t + 16], 16 * NV + kRowExtra<T>);
     __m512 vf[NV];
-    for (int c = 0; c < NV; ++c) vf[c] = load16(v + 16 * c);
+    widen_values<NV>(v, vf);
     for (int g = 0; g < G; ++g) {
       const __m512 pg = _mm512_set1_ps(p[g * len + t]);
       for (int c = 0; c < NV; ++c) o[g][c] = _mm512_fmadd_ps(pg, vf[c], o[g][c]);
     }
   }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NV; ++c)
-      _mm512_storeu_ps(out + g * out_stride + 16 * c, _mm512_mul_ps(o[g][c], _mm512_set1_ps(inv[g])));
+  for (int g = 0; g < G; ++g) store_values<NV, T>(o[g], _mm512_set1_ps(inv[g]), out + g * out_stride);
 }
 
-// All heads of the group in chunks that keep G * NV accumulators in registers.
+// The passes over the values that `group` heads take: as few as keep G * NV
+// accumulators in registers (<= 24, + NV value vectors), as even as they can
+// be (group 3 is one pass of 3, not 3 of 1: each pass loads and widens every row).
+template <int NV>
+constexpr int kMaxG = NV <= 4 ? 6 : (NV <= 6 ? 4 : (NV <= 8 ? 2 : 1));
+inline int64_t value_passes(int64_t group, int64_t max_g) { return (group + max_g - 1) / max_g; }
+
+// All heads of the group in the passes value_passes() gives.
 template <int NV, typename T>
 inline void values_chunked(const float* p, int64_t group, int64_t len, const T* values, const int64_t* offs,
                            const float* inv, float* out, int64_t out_stride) {
-  constexpr int kG = NV <= 6 ? 4 : (NV <= 8 ? 2 : 1);  // <= 24 accumulators + NV value vectors
-  int64_t g = 0;
-  for (; g + kG <= group; g += kG)
-    group_values<NV, kG>(p + g * len, len, values, offs, inv + g, out + g * out_stride, out_stride);
-  for (; g < group; ++g) group_values<NV, 1>(p + g * len, len, values, offs, inv + g, out + g * out_stride, out_stride);
+  const int64_t passes = value_passes(group, kMaxG<NV>);
+  for (int64_t i = 0, g = 0; i < passes; ++i) {
+    const int64_t G = (group - g) / (passes - i);  // the rest shared evenly over the passes left
+    const float* pg = p + g * len;
+    float* og = out + g * out_stride;
+    switch (G) {  // G <= kMaxG<NV>: the cases above it are never taken
+#define PAGEMILL_VALUES_G(n) \
+  case n:                    \
+    if constexpr (kMaxG<NV> >= n) group_values<NV, n>(pg, len, values, offs, inv + g, og, out_stride); \
+    break;
+      PAGEMILL_VALUES_G(1) PAGEMILL_VALUES_G(2) PAGEMILL_VALUES_G(3)
+      PAGEMILL_VALUES_G(4) PAGEMILL_VALUES_G(5) PAGEMILL_VALUES_G(6)
+#undef PAGEMILL_VALUES_G
+      default: break;
+    }
+    g += G;
+  }
 }
 
 template <typename T>

@@ -1,0 +1,128 @@
+"""One layer's decode attention through the compiled CPU paged kernel, against the memory floor.
+
+    OMP_NUM_THREADS=1 python benchmarks/decode_attention.py --baseline /tmp/base.so \
+        --json benchmarks/results/decode_attention.json
+
+The default model's shape (9 query heads, 3 kv heads, head_dim 64, block size
+16), bf16 queries over a bf16 pool (and --dtypes float32,fp8_e4m3,int8), for
+the batches that matter: 64 x 192 tokens (the c=64 benchmark), 24 x 512 and
+batch 1 x 200. The pool is --pool-mib per cache, its blocks shuffled anew each
+repetition and for each kernel, so a step streams its KV from memory as a
+serving step does (30 layers' KV never fit the caches). One thread; per-step
+CPU time (time.process_time), median of --reps; the kernels (this tree's and,
+with --baseline, another build of the library: a .so path) run interleaved,
+in alternating order. GB/s: the KV bytes one step must read (K and V rows of all
+kv heads, scales included) over its median time, beside the machine's own
+streaming rate, a 1 GiB float32 sum in the same process, and beside "gather":
+torch.index_select copying the same number of scattered blocks of K and V
+(the reads alone, no arithmetic: the floor of this access pattern here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import random
+import statistics
+import time
+
+import torch
+
+from pagemill.attention.kv_dtype import quantize, quantize_int8
+from pagemill.cpu_kernels import DecodeKernels, decode_kernels
+
+HEADS, KV_HEADS, D, BS = 9, 3, 64, 16
+
+
+def pool(dtype: str, num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(num_blocks, BS, KV_HEADS, D, generator=g) for _ in range(2))
+    if dtype == "int8":
+        return quantize_int8(k), quantize_int8(v)
+    if dtype.startswith("fp8"):
+        return quantize(k, torch.float8_e4m3fn), quantize(v, torch.float8_e4m3fn)
+    return k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))
+
+
+def stream_gbs(reps: int = 5) -> float:
+    """The machine's streaming read rate on this thread: a 1 GiB float32 sum, median of reps."""
+    x = torch.ones(1 << 28)
+    times = []
+    for _ in range(reps):
+        t = time.process_time()
+        x.sum()
+        times.append(time.process_time() - t)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cases", default="64x192,24x512,1x200", help="batch x context, comma separated")
+    ap.add_argument("--dtypes", default="bfloat16", help="cache dtypes: bfloat16,float32,fp8_e4m3,int8")
+    ap.add_argument("--baseline", default=None, help="another build of the kernel library (.so) to run beside")
+    ap.add_argument("--pool-mib", type=int, default=128)
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    kernels = {"this": decode_kernels()}
+    if kernels["this"] is None:
+        raise SystemExit("no compiled CPU kernels here")
+    if args.baseline:
+        kernels["baseline"] = DecodeKernels(ctypes.CDLL(args.baseline))
+    gbs = stream_gbs()
+    rows = []
+    for dtype in args.dtypes.split(","):
+        qdtype = torch.float32 if dtype == "float32" else torch.bfloat16
+        row_bytes = D * (1 if dtype in ("int8", "fp8_e4m3") else torch.finfo(getattr(torch, dtype)).bits // 8)
+        row_bytes += 4 if dtype == "int8" else 0
+        num_blocks = args.pool_mib * 2**20 // (BS * KV_HEADS * row_bytes)
+        k, v = pool(dtype, num_blocks, 0)
+        for case in args.cases.split(","):
+            batch, ctx = map(int, case.split("x"))
+            width = -(-ctx // BS)
+            q = torch.randn(batch, HEADS, D).to(qdtype)
+            lens = torch.full((batch,), ctx, dtype=torch.int32)
+            times: dict[str, list[float]] = {name: [] for name in [*kernels, "gather"]}
+            ids = list(range(1, num_blocks))
+            copy = torch.empty((batch * width, *k.shape[1:]), dtype=k.dtype)
+            for rep in range(args.reps):
+                # Each kernel its own blocks (the step before left its blocks in the caches), in
+                # alternating order.
+                for i, (name, kern) in enumerate(list(kernels.items())[:: 1 if rep % 2 else -1]):
+                    random.Random(rep * 16 + i).shuffle(ids)
+                    tables = torch.tensor(ids[: batch * width], dtype=torch.int32).view(batch, width)
+                    t = time.process_time()
+                    kern.paged_attention(q, k, v, tables, lens, D**-0.5)
+                    times[name].append(time.process_time() - t)
+                # The same reads without the arithmetic: torch copying the step's K and V blocks out.
+                random.Random(rep * 16 + 15).shuffle(ids)
+                blocks = torch.tensor(ids[: batch * width])
+                t = time.process_time()
+                torch.index_select(k, 0, blocks, out=copy[: len(blocks)])
+                torch.index_select(v, 0, blocks, out=copy[: len(blocks)])
+                times["gather"].append(time.process_time() - t)
+            kv_bytes = 2 * batch * ctx * KV_HEADS * row_bytes
+            row = {"dtype": dtype, "batch": batch, "context": ctx, "kv_mb": kv_bytes / 1e6}
+            for name in times:
+                ms = statistics.median(times[name]) * 1e3
+                row[f"{name}_ms"] = ms
+                row[f"{name}_gbs"] = kv_bytes / ms / 1e6
+            rows.append(row)
+    names = [*kernels, "gather"]
+    print(f"streaming read (1 GiB float32 sum, 1 thread): {gbs:.1f} GB/s")
+    print("| cache | batch x context | KV MB | " + " | ".join(f"{n} ms | {n} GB/s" for n in names)
+          + (" | speedup |" if args.baseline else " |"))  # fmt: skip
+    print("|---|---|---:|" + "---:|---:|" * len(names) + ("---:|" if args.baseline else ""))
+    for r in rows:
+        cells = " | ".join(f"{r[f'{n}_ms']:.3f} | {r[f'{n}_gbs']:.1f}" for n in names)
+        speed = f" | {r['baseline_ms'] / r['this_ms']:.2f}x" if args.baseline else ""
+        print(f"| {r['dtype']} | {r['batch']} x {r['context']} | {r['kv_mb']:.1f} | {cells}{speed} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "stream_gbs": gbs, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
