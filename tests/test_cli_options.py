@@ -67,8 +67,9 @@ def test_shard_flags_round_trip():
                  "--speculate-method", "draft", "--draft-model", "/d", "--no-cuda-graphs", "--no-cpu-kernels",
                  "--quantize", "int8", "--kv-cache-dtype", "fp8_e5m2", "--rank", "1", "--world-size", "2",
                  "--master-addr", "10.0.0.1", "--master-port", "1234", "--local-rank", "1",
-                 "--dist-timeout", "9.5")  # fmt: skip
+                 "--dist-timeout", "9.5", "--no-huge-pages")  # fmt: skip
     assert cfg.kv_cache_memory == 512 << 20 and cfg.cuda_graphs is False and cfg.dist_timeout_s == 9.5
+    assert cfg.huge_pages is False and ShardConfig(model_dir="m", uds_path="u").huge_pages is True
     assert cfg.rank == 1 and cfg.world_size == 2 and cfg.local_rank == 1 and cfg.quantize == "int8"
     # What the launcher does: a ShardConfig as flags, parsed back by `pagemill shard`.
     for c in (cfg, ShardConfig(model_dir="-m", uds_path="/tmp/x.sock")):
