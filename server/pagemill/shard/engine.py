@@ -316,7 +316,7 @@ class ModelRunner:
             logits = self.cuda_graphs.logits_for(inputs) if self.cuda_graphs is not None else None
             if logits is None:  # no graphs (CPU, --no-cuda-graphs) or wider than the largest graph
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
-                logits = self.model.compute_logits(hidden)
+                logits = self.model.head_logits(hidden)  # the sampler widens what it reads
             logits = logits[sampled] if len(sampled) < len(live) else logits
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
@@ -324,7 +324,7 @@ class ModelRunner:
                 self.draft.forward(inputs.input_ids, inputs.positions, inputs.meta)
                 for e in live:
                     e.state.draft_len = e.end
-            logits = self.model.compute_logits(hidden[inputs.last_rows[sampled]])
+            logits = self.model.head_logits(hidden[inputs.last_rows[sampled]])
         if not sampled:
             self._wait(masks)
             return {}, {}
