@@ -94,6 +94,7 @@ class ModelRunner:
         greedy = greedy_kernel() if cpu_kernels and self.device.type == "cpu" else None
         self.sampler = Sampler(self.device, seed=self.group.shared_seed(), greedy=greedy)
         self.eos_ids = frozenset(config.eos_token_ids)
+        self.window = all_layers_window(config)  # every step's Limits reads it
         self.pool: KVPool | None = None
         self.kv_offload = kv_offload
         self.store = None  # the second KV tier, opened at warmup over the pool's layout
@@ -233,8 +234,7 @@ class ModelRunner:
         router ended, compute every consistent entry in one forward, sample where a range
         reaches the end of the known tokens. One Generation per entry, in order."""
         pool = self._require_pool()
-        lim = Limits(self.block_size, pool.num_blocks, self.config.vocab_size, self.device,
-                     all_layers_window(self.config))  # fmt: skip
+        lim = Limits(self.block_size, pool.num_blocks, self.config.vocab_size, self.device, self.window)
         entries = check_step(req, self.requests, lim)
         for e, s in zip(entries, req.requests):
             if e.fresh:
