@@ -86,7 +86,10 @@ def instrument(runner, timer: Timer) -> None:
     for layer in inner.layers:  # batches past the fused kernel's: the per-layer modules
         layer.forward = timer.wrap("layers", layer.forward)
     inner.norm.forward = timer.wrap("norm", inner.norm.forward)
-    runner.model.compute_logits = timer.wrap("head", runner.model.compute_logits)
+    # What the engine calls for the sampled rows (head_logits: the head's dtype; before it,
+    # compute_logits: widened to float32).
+    head = "head_logits" if hasattr(runner.model, "head_logits") else "compute_logits"
+    setattr(runner.model, head, timer.wrap("head", getattr(runner.model, head)))
     runner.sampler = TimedSampler(runner.sampler, timer)
 
 
