@@ -83,8 +83,13 @@ def instrument(runner, timer: Timer) -> None:
     inner.rotary.cos_sin = timer.wrap("rotary", inner.rotary.cos_sin)
     if inner.fused is not None:
         inner.fused = TimedFused(inner.fused, timer)
+    for layer in inner.layers:  # batches past the fused kernel's: the per-layer modules
+        layer.forward = timer.wrap("layers", layer.forward)
     inner.norm.forward = timer.wrap("norm", inner.norm.forward)
-    runner.model.compute_logits = timer.wrap("head", runner.model.compute_logits)
+    # What the engine calls for the sampled rows (head_logits: the head's dtype; before it,
+    # compute_logits: widened to float32).
+    head = "head_logits" if hasattr(runner.model, "head_logits") else "compute_logits"
+    setattr(runner.model, head, timer.wrap("head", getattr(runner.model, head)))
     runner.sampler = TimedSampler(runner.sampler, timer)
 
 
@@ -151,7 +156,7 @@ def run(dtype: str, threads: int, batch: int, steps: int, prompt: int, clock: st
     for _ in range(steps):
         timer.ns.clear()
         router.step()
-        ns = dict(timer.ns)
+        ns = {p: 0 for p in PARTS} | dict(timer.ns)
         inside = sum(ns.get(p, 0) for p in PARTS if p not in ("proto", "other"))
         ns["other"] = ns["step"] - inside
         ns["total"] = ns["step"] + ns["proto"]

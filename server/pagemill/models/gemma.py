@@ -127,9 +127,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         self.model.fused = None  # the kernel's layer is Llama's, not Gemma's
         return n
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden)
         cap = self.config.gemma.final_logit_softcapping
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits

@@ -274,4 +274,10 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""
-        return self.lm_head(hidden).float()
+        return self.head_logits(hidden).float()
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits in the head's own dtype (bfloat16 models: bfloat16), for consumers that
+        widen exactly where they read (the sampler): at 64 rows the float32 copy of
+        [64, 49152] logits cost ~2 ms per decode step."""
+        return self.lm_head(hidden)

@@ -113,6 +113,10 @@ class TransformersCausalLM(nn.Module):
         return out.last_hidden_state[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head_logits(hidden).float()
+
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits in the head's dtype (LlamaForCausalLM.head_logits)."""
         logits = self.hf.get_output_embeddings()(hidden)
         if self.logit_divisor != 1.0:
             logits = logits / self.logit_divisor
@@ -120,7 +124,7 @@ class TransformersCausalLM(nn.Module):
             logits = logits * self.logit_scale
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits.float()
+        return logits
 
 
 def transformers_model_config(model_dir: str) -> ModelConfig:

@@ -78,9 +78,11 @@ class Sampler:
         mask: GrammarMask | None = None,
         banned: dict[int, Sequence[int]] | None = None,
     ) -> SamplerOutput:
-        """logits [N, V], one row per request: one token each. banned: row -> token ids it
-        may not draw this step (EOS and stop tokens before min_tokens)."""
-        if self.greedy is not None and mask is None and not banned and logits.device.type == "cpu":
+        """logits [N, V], one row per request: one token each, in any float dtype (read as
+        float32). banned: row -> token ids it may not draw this step (EOS and stop tokens
+        before min_tokens)."""
+        if (self.greedy is not None and mask is None and not banned and logits.device.type == "cpu"
+                and logits.dtype in (torch.float32, torch.bfloat16)):
             if all(r.params.greedy and not r.top_n and not r.params.logit_bias and not r.params.has_penalties
                    for r in rows):
                 # The common case in one compiled pass (greedy.cpp), the same numbers as below.

@@ -95,6 +95,7 @@ class ModelRunner:
         greedy = greedy_kernel() if cpu_kernels and self.device.type == "cpu" else None
         self.sampler = Sampler(self.device, seed=self.group.shared_seed(), greedy=greedy)
         self.eos_ids = frozenset(config.eos_token_ids)
+        self.window = all_layers_window(config)  # every step's Limits reads it
         self.pool: KVPool | None = None
         self.kv_offload = kv_offload
         self.huge_pages = huge_pages
@@ -237,8 +238,7 @@ class ModelRunner:
         router ended, compute every consistent entry in one forward, sample where a range
         reaches the end of the known tokens. One Generation per entry, in order."""
         pool = self._require_pool()
-        lim = Limits(self.block_size, pool.num_blocks, self.config.vocab_size, self.device,
-                     all_layers_window(self.config))  # fmt: skip
+        lim = Limits(self.block_size, pool.num_blocks, self.config.vocab_size, self.device, self.window)
         entries = check_step(req, self.requests, lim)
         for e, s in zip(entries, req.requests):
             if e.fresh:
@@ -320,7 +320,7 @@ class ModelRunner:
             logits = self.cuda_graphs.logits_for(inputs) if self.cuda_graphs is not None else None
             if logits is None:  # no graphs (CPU, --no-cuda-graphs) or wider than the largest graph
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
-                logits = self.model.compute_logits(hidden)
+                logits = self.model.head_logits(hidden)  # the sampler widens what it reads
             logits = logits[sampled] if len(sampled) < len(live) else logits
         else:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
@@ -328,7 +328,7 @@ class ModelRunner:
                 self.draft.forward(inputs.input_ids, inputs.positions, inputs.meta)
                 for e in live:
                     e.state.draft_len = e.end
-            logits = self.model.compute_logits(hidden[inputs.last_rows[sampled]])
+            logits = self.model.head_logits(hidden[inputs.last_rows[sampled]])
         if not sampled:
             self._wait(masks)
             return {}, {}

@@ -16,7 +16,7 @@ from pagemill.config import ShardConfig
 from pagemill.parallel.group import ParallelConfig, ParallelGroup, rank_device
 from pagemill.shard.auth import TokenAuth, read_token
 from pagemill.shard.engine import ModelRunner
-from pagemill.shard.service import ShardService, new_model_thread
+from pagemill.shard.service import ShardService
 
 log = logging.getLogger("pagemill.shard")
 
@@ -44,18 +44,17 @@ def serve(config: ShardConfig) -> None:
         ),
         rank_device(config.device, config.rank, config.world_size, config.local_rank),
     )  # fmt: skip
-    model_thread = new_model_thread()
     try:
-        runner = model_thread.submit(_load, config, group).result()
-        asyncio.run(serve_runner(runner, config.uds_path, model_thread=model_thread, listen=config.listen,
-                                 token=token))
+        # This thread loads the model, runs the event loop and every model call in place
+        # (ShardService inline; service.new_model_thread says why one thread).
+        runner = _load(config, group)
+        asyncio.run(serve_runner(runner, config.uds_path, listen=config.listen, token=token, inline=True))
     finally:
         group.destroy()
-        model_thread.shutdown()
 
 
 def _load(config: ShardConfig, group: ParallelGroup) -> ModelRunner:
-    """Runs on the model thread (service.new_model_thread says why)."""
+    """Runs on the thread that runs every model call (service.new_model_thread says why)."""
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     return ModelRunner.from_shard_config(config, group)
@@ -63,10 +62,11 @@ def _load(config: ShardConfig, group: ParallelGroup) -> ModelRunner:
 
 async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event | None = None,
                        model_thread: ThreadPoolExecutor | None = None, listen: str | None = None,
-                       token: bytes | None = None) -> None:  # fmt: skip
+                       token: bytes | None = None, inline: bool = False) -> None:  # fmt: skip
     """Serves `runner` on unix://uds_path (or TCP `listen`, host:port) until `stop` is set (or
     a signal arrives). token: every call must carry it (shard/auth.py). model_thread: the
-    thread that loaded `runner` (a new one if None)."""
+    thread that loaded `runner` (a new one if None). inline: this thread loaded `runner`;
+    model calls run on the event loop (ShardService)."""
     if listen:
         address = listen
     else:
@@ -81,7 +81,7 @@ async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event |
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
         ],
     )
-    server.add_generic_rpc_handlers((ShardService(runner, model_thread).generic_handler(),))
+    server.add_generic_rpc_handlers((ShardService(runner, model_thread, inline=inline).generic_handler(),))
     if server.add_insecure_port(address) == 0:
         raise OSError(f"cannot listen on {address}")
     await server.start()

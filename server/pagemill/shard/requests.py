@@ -115,7 +115,7 @@ def check_step(req, held: dict[int, RequestState], lim: Limits) -> list[Entry]:
                     s, f"request {s.id}: num_computed {s.num_computed} but the shard computed {state.computed}"
                 ))  # fmt: skip
                 continue
-            table = state.block_table + list(s.new_block_ids)
+            table = state.block_table + list(s.new_block_ids) if s.new_block_ids else state.block_table
         end = s.num_computed + s.num_tokens
         if end > state.seq_len:
             raise invalid(f"request {s.id}: range {s.num_computed}..{end} is past its {state.seq_len} known tokens")
@@ -124,11 +124,14 @@ def check_step(req, held: dict[int, RequestState], lim: Limits) -> list[Entry]:
             raise invalid(f"request {s.id}: block table has {len(table)} blocks, positions up to "
                           f"{end + s.max_proposals} need {needed}")  # fmt: skip
         # Blocks wholly behind every layer's window were given back (docs/kv_cache.md): only
-        # the ones still read must be distinct.
-        dead = max(0, s.num_computed + 1 - lim.sliding_window) // lim.block_size if lim.sliding_window else 0
-        live = table[dead:]
-        if len(set(live)) != len(live):
-            raise invalid(f"request {s.id}: block table repeats a block id")
+        # the ones still read must be distinct. A held table without new blocks passed this on
+        # an earlier step with no more blocks dead (num_computed only grows): its live part
+        # now is a suffix of what was distinct then, so only new blocks need the check.
+        if fresh or s.new_block_ids:
+            dead = max(0, s.num_computed + 1 - lim.sliding_window) // lim.block_size if lim.sliding_window else 0
+            live = table[dead:]
+            if len(set(live)) != len(live):
+                raise invalid(f"request {s.id}: block table repeats a block id")
         entries.append(Entry(s.id, state, s.num_computed, s.num_tokens, s.max_proposals, list(s.new_block_ids), fresh))
     return entries
 

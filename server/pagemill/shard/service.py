@@ -2,8 +2,9 @@
 
 Registered by hand with a generic handler, so only protoc's plain message
 module is needed. One model call runs at a time (an asyncio.Lock around
-every call that touches the model or the request state); torch work runs
-in a worker thread so Info/Health stay responsive during a long prefill.
+every call that touches the model or the request state). The shard process
+runs them in place on its event loop, the thread that loaded the model
+(inline); otherwise on one model thread (new_model_thread).
 
 Step semantics (the proto comments are the contract; shard/requests.py checks):
 - finished_ids are dropped first; unknown ids are ignored.
@@ -47,13 +48,20 @@ def new_model_thread() -> ThreadPoolExecutor:
 
 
 class ShardService:
-    def __init__(self, runner: ModelRunner, model_thread: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, runner: ModelRunner, model_thread: ThreadPoolExecutor | None = None, *,
+                 inline: bool = False) -> None:  # fmt: skip
+        """inline: the event loop runs on the thread that loaded the model (shard/main.py's
+        serve), so model calls run in place. Why: handing each step to a model thread and
+        its result back woke two threads per step, ~150 us of a batch-1 step (docs/cpu.md).
+        RPCs that arrive meanwhile wait for the step, as Health did on the model thread."""
         self.runner = runner
         self.lock = asyncio.Lock()
-        # Every model call runs on this one thread (see model_thread()).
-        self.model_thread = model_thread or new_model_thread()
+        # Every model call runs on this one thread (see new_model_thread()), or in place.
+        self.model_thread = None if inline else model_thread or new_model_thread()
 
     async def _on_model_thread(self, fn, *args):
+        if self.model_thread is None:
+            return fn(*args)
         return await asyncio.get_running_loop().run_in_executor(self.model_thread, functools.partial(fn, *args))
 
     # --- RPCs ------------------------------------------------------------------------

@@ -44,24 +44,26 @@ def build_inputs(entries: Sequence[Entry], block_size: int, device) -> StepInput
     positions: list[int] = []
     slots: list[int] = []
     last_rows: list[int] = []
+    query_lens: list[int] = []
+    decode = True
     for e in entries:
         fed = fed_tokens(e)
-        table = e.state.block_table
+        table, n = e.state.block_table, len(fed)
         ids += fed
-        positions += range(e.start, e.start + len(fed))
-        slots += [slot(table, p, block_size) for p in range(e.start, e.start + len(fed))]
+        positions += range(e.start, e.start + n)
+        slots += [slot(table, p, block_size) for p in range(e.start, e.start + n)]
         last_rows.append(len(ids) - 1)
-    query_lens = [len(fed_tokens(e)) for e in entries]
+        query_lens.append(n)
+        decode = decode and e.num_tokens == 1 and not e.proposals
+    # One int64 tensor, cut into views: a tensor per field cost ~8 us each.
+    t, b = len(ids), len(entries)
+    packed = torch.tensor(ids + positions + last_rows + slots, dtype=torch.int64, device=device)
     meta = make_metadata(
-        is_prefill=not is_decode_step(entries),
+        is_prefill=not decode,
         query_lens=query_lens,
         kv_lens=[e.start + q for e, q in zip(entries, query_lens)],
         block_tables=[e.state.block_table for e in entries],
-        slot_mapping=slots,
+        slot_mapping=packed[2 * t + b :],
         device=device,
     )
-
-    def t(x):
-        return torch.tensor(x, dtype=torch.int64, device=device)
-
-    return StepInputs(t(ids), t(positions), meta, t(last_rows))
+    return StepInputs(packed[:t], packed[t : 2 * t], meta, packed[2 * t : 2 * t + b])
