@@ -348,3 +348,71 @@ def test_health_fails_once_a_forward_broke(tmp_path):
     with pytest.raises(ShardError) as e:
         runner.health()
     assert e.value.code == grpc.StatusCode.UNAVAILABLE and "TypeError" in e.value.message
+
+
+class _SlowRunner:
+    """A runner whose Step blocks until released: a long prefill, as far as the service can tell."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.started, self.release = threading.Event(), threading.Event()
+        self.broken: str | None = None
+        self.store = None
+
+    def info(self):
+        return pb.InfoResponse(model_id="slow", dtype="float32", device_type="cpu", attention_backend="torch")
+
+    def check_not_broken(self) -> None:
+        from pagemill.shard.errors import ShardError
+
+        if self.broken is not None:
+            raise ShardError(grpc.StatusCode.UNAVAILABLE, f"shard is broken: {self.broken}")
+
+    def health(self) -> None:
+        self.check_not_broken()
+
+    def step(self, request):
+        from types import SimpleNamespace
+
+        self.started.set()
+        assert self.release.wait(30)
+        return SimpleNamespace(generations=[], forward_ns=0, tier=None)
+
+
+def test_health_answers_while_a_long_step_runs(tmp_path):
+    """The router's step watch (recover.rs) probes Health beside a step that runs for seconds and
+    takes 12 s without an answer for a hung shard: the shard must answer while the step runs, and
+    still report a forward that broke."""
+    import asyncio
+    import threading
+
+    from pagemill.shard.main import serve_runner
+    from pagemill.shard.service import new_model_thread
+
+    runner, sock = _SlowRunner(), str(tmp_path / "slow.sock")
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    server = threading.Thread(target=loop.run_until_complete,
+                              args=(serve_runner(runner, sock, stop, model_thread=new_model_thread()),))  # fmt: skip
+    server.start()
+    client = Client(sock)
+    try:
+        deadline = time.time() + 30
+        while not os.path.exists(sock) and time.time() < deadline:
+            time.sleep(0.05)
+        step = threading.Thread(target=lambda: client.Step(pb.StepRequest()))
+        step.start()
+        assert runner.started.wait(30)
+        t = time.perf_counter()
+        client.stubs["Health"](pb.HealthRequest(), timeout=5)
+        assert time.perf_counter() - t < 2 and not runner.release.is_set()  # answered during the step
+        runner.broken = "RuntimeError: the forward failed"
+        assert status_of(lambda: client.stubs["Health"](pb.HealthRequest(), timeout=5)) == grpc.StatusCode.UNAVAILABLE
+        runner.release.set()
+        step.join(30)
+    finally:
+        runner.release.set()
+        client.channel.close()
+        loop.call_soon_threadsafe(stop.set)
+        server.join(30)

@@ -182,9 +182,12 @@ class ModelRunner:
             sliding_window=all_layers_window(self.config),
         )
 
-    def health(self) -> None:
+    def check_not_broken(self) -> None:
         if self.broken is not None:
             raise ShardError(grpc.StatusCode.UNAVAILABLE, f"shard is broken: {self.broken}")
+
+    def health(self) -> None:
+        self.check_not_broken()
         # A tiny op that fails if the device is gone (e.g. a CUDA error poisoned the context).
         torch.ones(1, device=self.device).add_(1).cpu()
 

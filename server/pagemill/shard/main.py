@@ -16,7 +16,7 @@ from pagemill.config import ShardConfig
 from pagemill.parallel.group import ParallelConfig, ParallelGroup, rank_device
 from pagemill.shard.auth import TokenAuth, read_token
 from pagemill.shard.engine import ModelRunner
-from pagemill.shard.service import ShardService
+from pagemill.shard.service import ShardService, new_model_thread
 
 log = logging.getLogger("pagemill.shard")
 
@@ -44,17 +44,21 @@ def serve(config: ShardConfig) -> None:
         ),
         rank_device(config.device, config.rank, config.world_size, config.local_rank),
     )  # fmt: skip
+    # Every model call on one thread that also loads the model (service.new_model_thread says
+    # why), the event loop on this one: not inline (ShardService), so that Health answers while
+    # a long step runs, which is how the router tells a slow step from a hung shard (recover.rs).
+    model_thread = new_model_thread()
     try:
-        # This thread loads the model, runs the event loop and every model call in place
-        # (ShardService inline; service.new_model_thread says why one thread).
-        runner = _load(config, group)
-        asyncio.run(serve_runner(runner, config.uds_path, listen=config.listen, token=token, inline=True))
+        runner = model_thread.submit(_load, config, group).result()
+        asyncio.run(serve_runner(runner, config.uds_path, model_thread=model_thread, listen=config.listen,
+                                 token=token))
     finally:
         group.destroy()
+        model_thread.shutdown()
 
 
 def _load(config: ShardConfig, group: ParallelGroup) -> ModelRunner:
-    """Runs on the thread that runs every model call (service.new_model_thread says why)."""
+    """Runs on the model thread (service.new_model_thread says why)."""
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     return ModelRunner.from_shard_config(config, group)

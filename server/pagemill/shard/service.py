@@ -50,10 +50,12 @@ def new_model_thread() -> ThreadPoolExecutor:
 class ShardService:
     def __init__(self, runner: ModelRunner, model_thread: ThreadPoolExecutor | None = None, *,
                  inline: bool = False) -> None:  # fmt: skip
-        """inline: the event loop runs on the thread that loaded the model (shard/main.py's
-        serve), so model calls run in place. Why: handing each step to a model thread and
-        its result back woke two threads per step, ~150 us of a batch-1 step (docs/cpu.md).
-        RPCs that arrive meanwhile wait for the step, as Health did on the model thread."""
+        """inline: the event loop runs on the thread that loaded the model, so model calls run
+        in place: handing each step to a model thread and its result back wakes two threads
+        per step, ~150 us of a batch-1 step (docs/cpu.md). But nothing else is answered while
+        a step runs, Health included, and the router takes a step without a Health answer
+        for 12 s as a hung shard (recover.rs): a long prefill of a larger model on a CPU is
+        that long. So serve (shard/main.py) does not run inline; benchmarks compare both."""
         self.runner = runner
         self.lock = asyncio.Lock()
         # Every model call runs on this one thread (see new_model_thread()), or in place.
@@ -70,7 +72,13 @@ class ShardService:
         return self.runner.info()
 
     async def Health(self, request, context):
-        await self._on_model_thread(self.runner.health)
+        if self.lock.locked() and self.model_thread is not None:
+            # A step (or warmup) holds the model thread, maybe for a long while: this loop
+            # answering is the sign of life the router's step watch asks for (recover.rs).
+            # The device check waits for a moment when the model thread is free.
+            self.runner.check_not_broken()
+        else:
+            await self._on_model_thread(self.runner.health)
         return pb.HealthResponse()
 
     async def Warmup(self, request, context):
