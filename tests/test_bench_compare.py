@@ -84,7 +84,8 @@ def test_batch1_against_its_memory_floor():
     cfg = ModelConfig.from_dict({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
                                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
                                  "vocab_size": 1000, "max_position_embeddings": 256})  # fmt: skip
-    m = Machine(threads=2, copy_gbs=1.0, sum_gbs=1.0, bandwidth_gbs=1.0, matmul_gflops=1.0)
+    # the read rate (sum) is the floor's, not the copy's nor their max
+    m = Machine(threads=2, copy_gbs=3.0, sum_gbs=1.0, bandwidth_gbs=3.0, matmul_gflops=1.0)
     bf16, int8, fp32 = (batch1_floor_ms(cfg, m, p, 100) for p in ("bf16", "int8", "fp32"))
     # weights: 2 layers of (64 x (64 + 2 * 32) + 64 x 64 + 3 x 64 x 128) + the 1000 x 64 head, norms, KV of 100 tokens
     weights = 2 * (64 * 128 + 64 * 64 + 3 * 64 * 128) + 1000 * 64 + 2 * 2 * 64
@@ -130,7 +131,7 @@ def test_summary_markdown_states_floors_and_bandwidth():
     res = {"started": "now", "cpu": rep.parse_cpuinfo(CPUINFO), "command": "pagemill bench compare",
            "args": {"num_prompts": 64, "concurrency": 64, "input_min": 32, "input_max": 256, "output_min": 16,
                     "output_max": 256, "seed": 0, "batch1_prompts": 4, "batch1_output_len": 128},
-           "servers": [{"name": "pm", "summary": s, "runs": [{"load_before": 0.5, "machine": {"bandwidth_gbs": 31.0}}]}]}
+           "servers": [{"name": "pm", "summary": s, "runs": [{"load_before": 0.5, "machine": {"sum_gbs": 31.0}}]}]}
     text = rep.summary_markdown(res, "TABLE")
     assert "pm 600 tok/s (measured 300, 50%)" in text and "pm 31.0" in text and "TABLE" in text
 

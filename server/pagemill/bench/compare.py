@@ -202,7 +202,7 @@ def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs
         "rss_mib": out["rss_mib"], "tokens_ok": check.ok and b1check.ok, "token_note": note,
         "batch1_floor_ms": batch1_floor_ms(model_cfg, machine, config.precision, 64 + a.batch1_output_len // 2),
         "ceiling_tok_s": workload_ceiling(model_cfg, machine, config.precision, main_reqs),
-        "bandwidth_gbs": machine.bandwidth_gbs,
+        "bandwidth_gbs": machine.sum_gbs,  # the read rate the floors use (compare_floors.py)
     }  # fmt: skip
     return out
 

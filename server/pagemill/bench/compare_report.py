@@ -168,8 +168,8 @@ def summary_markdown(res: dict, table: str) -> str:
         lines += ["The c=%d workload's roofline ceiling on this machine (every step at the bandwidth and the bf16 or "
                   "fp32 GEMM rate measured before each run; bench/workload_floor.py): " % a["concurrency"]
                   + ", ".join(ceilings), ""]  # fmt: skip
-    lines += [f"Read bandwidth before each run (GB/s): " + ", ".join(
-        s["name"] + " " + "/".join(f"{r['machine']['bandwidth_gbs']:.1f}" for r in s["runs"] if "machine" in r)
+    lines += [f"Read bandwidth (a sum over 512 MiB, idle) before each run, GB/s: " + ", ".join(
+        s["name"] + " " + "/".join(f"{r['machine']['sum_gbs']:.1f}" for r in s["runs"] if "machine" in r)
         for s in res["servers"])] if any("machine" in r for s in res["servers"] for r in s["runs"]) else []  # fmt: skip
     failed = [(s["name"], r["failed"]) for s in res["servers"] for r in s["runs"] if "failed" in r]
     if failed:
