@@ -102,6 +102,21 @@ def test_batch1_against_its_memory_floor():
     assert "batch-1 floor ms | batch-1 vs floor" in table and "| 13.0 | 10.0 | 1.30x |" in table
 
 
+def test_batch1_floors_use_the_median_bandwidth_of_all_runs():
+    def run(floor, bw):
+        return {"summary": {**_run(300, 12.0, floor=floor)}, "machine": {"sum_gbs": bw}}
+
+    # 270 MB of weights: 9 ms at 30 GB/s; one spiky reading (54 GB/s) must not set the floor
+    servers = [{"name": "a", "runs": [run(270 / 30, 30.0), run(270 / 54, 54.0), run(270 / 50, 50.0)]},
+               {"name": "b", "runs": [run(270 / 29, 29.0), run(270 / 31, 31.0), {"failed": "x"}]}]  # fmt: skip
+    for s in servers:
+        s["summary"] = rep.median_summary([r["summary"] for r in s["runs"] if "summary" in r])
+    assert rep.floors_at_median_bandwidth(servers) == 31.0  # median of 30, 54, 50, 29, 31
+    assert servers[0]["summary"]["batch1_floor_ms"] == pytest.approx(270 / 31)
+    assert servers[1]["summary"]["batch1_floor_ms"] == pytest.approx(270 / 31)
+    assert rep.floors_at_median_bandwidth([{"name": "c", "runs": [{"failed": "x"}], "summary": {}}]) is None
+
+
 def test_workload_ceiling_is_the_continuous_floor_at_the_precisions_gemm_rate():
     from types import SimpleNamespace
 

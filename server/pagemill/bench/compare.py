@@ -224,7 +224,7 @@ def _step_accounting(before, after) -> dict | None:
     return o
 
 
-def _requests(a, tok):
+def workload_requests(a, tok):
     main = uniform_dataset(tok, a.num_prompts, a.input_min, a.input_max, a.output_min, a.output_max, a.seed)
     b1 = uniform_dataset(tok, a.batch1_prompts, 64, 64, a.batch1_output_len, a.batch1_output_len, a.seed + 1)
     # Unlike the measured prompts, so no server starts with them in a prefix cache.
@@ -242,7 +242,7 @@ def run_compare(a) -> dict:
     model_dir = resolve_model_dir(a.model_dir)
     model_cfg = ModelConfig.from_model_dir(model_dir)
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
-    main_reqs, b1_reqs, warm_reqs = _requests(a, tok)
+    main_reqs, b1_reqs, warm_reqs = workload_requests(a, tok)
     os.makedirs(os.path.join(a.out, "logs"), exist_ok=True)
     values = placeholders(os.path.abspath(a.peers_dir), model_dir, a.port)
     res = {"started": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "cpu": cpu, "args": vars(a), "model_dir": model_dir,
@@ -282,6 +282,7 @@ def write(res: dict, out: str, merge: str | None = None) -> dict:
         servers += [{**s, "merged_from": merge} for s in old["servers"] if s["name"] not in names]
     for s in servers:
         s["summary"] = rep.median_summary([r["summary"] for r in s["runs"] if "summary" in r])
+    res["read_bandwidth_gbs"] = rep.floors_at_median_bandwidth(servers)
     res["servers"] = [s for s in servers]
     summaries = {s["name"]: s["summary"] for s in servers}
     refs = tuple(res["latency_refs"])

@@ -79,6 +79,23 @@ def median_summary(runs: list[dict]) -> dict:
     return out
 
 
+def floors_at_median_bandwidth(servers: list[dict]) -> float | None:
+    """Sets each server's batch-1 floor to its weights read at the median read bandwidth of every
+    run of the comparison (one machine, one figure), and returns that bandwidth. Why not each
+    run's own: single readings spiked (32 -> 54 GB/s on the reference machine) without decode
+    getting any faster, and a server's median of three could land on a spike. Each run's floor
+    is bytes / its bandwidth, so rescaling by the bandwidths gives bytes / the median."""
+    bws = [r["machine"]["sum_gbs"] for s in servers for r in s["runs"] if "machine" in r]
+    if not bws:
+        return None
+    bw = statistics.median(bws)
+    for s in servers:
+        floors = [r["summary"]["batch1_floor_ms"] * r["machine"]["sum_gbs"] / bw for r in s["runs"]
+                  if "machine" in r and (r.get("summary") or {}).get("batch1_floor_ms")]  # fmt: skip
+        s["summary"]["batch1_floor_ms"] = statistics.median(floors) if floors else None
+    return bw
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     if a is None or b is None or b == 0:
         return None
@@ -168,7 +185,10 @@ def summary_markdown(res: dict, table: str) -> str:
         lines += ["The c=%d workload's roofline ceiling on this machine (every step at the bandwidth and the bf16 or "
                   "fp32 GEMM rate measured before each run; bench/workload_floor.py): " % a["concurrency"]
                   + ", ".join(ceilings), ""]  # fmt: skip
-    lines += [f"Read bandwidth (a sum over 512 MiB, idle) before each run, GB/s: " + ", ".join(
+    if res.get("read_bandwidth_gbs"):
+        lines += [f"Batch-1 floors: every weight read once at {res['read_bandwidth_gbs']:.1f} GB/s, the median of "
+                  "the read bandwidths below.", ""]  # fmt: skip
+    lines += ["Read bandwidth (a sum over 512 MiB, idle) before each run, GB/s: " + ", ".join(
         s["name"] + " " + "/".join(f"{r['machine']['sum_gbs']:.1f}" for r in s["runs"] if "machine" in r)
         for s in res["servers"])] if any("machine" in r for s in res["servers"] for r in s["runs"]) else []  # fmt: skip
     failed = [(s["name"], r["failed"]) for s in res["servers"] for r in s["runs"] if "failed" in r]
