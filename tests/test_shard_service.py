@@ -203,6 +203,44 @@ def test_greedy_generation_matches_transformers(shard, router):
     assert gen.request_id == 10 and "unknown" in gen.error
 
 
+def test_a_step_sent_before_the_last_reply_runs_after_it(shard, router):
+    """The router may send step N+1 before step N's reply (router/src/scheduler/ahead.rs): each
+    decode names the token step N samples, which only the shard knows yet. The shard must run
+    the two in arrival order, and the tokens must be transformers' as with one step at a time."""
+    client, hf, *_ = shard
+    call = client.stubs["Step"]
+    g = torch.Generator().manual_seed(5)
+    prompts = {30: torch.randint(3, 320, (7,), generator=g).tolist(), 31: torch.randint(3, 320, (4,), generator=g).tolist()}
+    max_new = 11
+    for rid, prompt in prompts.items():
+        router.add(rid, prompt, max_new, ignore_eos=True)
+    router.step()  # the prompts and their first tokens
+    sent = client.Step
+    try:
+        while router.requests:
+            a = router.plan()
+            pending_a = call.future(a, timeout=60)
+            b = pb.StepRequest()
+            for e in a.requests:
+                t = router.requests[e.id]
+                if len(router.outputs[e.id].ids) + 1 >= max_new:
+                    continue  # a's token is its last
+                have = t.sent_blocks + len(e.new_block_ids)
+                router.blocks.grow(t.table, e.num_computed + 2)
+                b.requests.add(id=e.id, num_computed=e.num_computed + 1, num_tokens=1, new_block_ids=t.table[have:])
+            pending_b = call.future(b, timeout=60) if b.requests else None
+            router._step = lambda _req: pending_a.result()
+            router.send(a)
+            if pending_b is not None:
+                router._step = lambda _req: pending_b.result()
+                resp = router.send(b)
+                assert all(not gen.error and len(gen.tokens.ids) == 1 for gen in resp.generations)
+    finally:
+        router._step = sent
+    for rid, prompt in prompts.items():
+        assert router.outputs[rid].ids == hf_greedy(hf, prompt, max_new), f"request {rid}"
+
+
 def test_eos_finishes_and_matches_generate(shard, router):
     client, hf, eos, *_ = shard
     router.add(20, EOS_PROMPT, 10)

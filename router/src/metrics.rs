@@ -140,7 +140,7 @@ pub fn render(st: &RouterState) -> String {
     for (p, n) in st.queue_by_priority.lock().unwrap_or_else(|e| e.into_inner()).iter() {
         let _ = writeln!(out, "{name}{{priority=\"{p}\"}} {n}");
     }
-    let counters: [(&str, &str, f64); 13] = [
+    let counters: [(&str, &str, f64); 14] = [
         ("pagemill_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", get(&st.prefix_hit_tokens_total)),
         ("pagemill_preemptions_total", "Sequences preempted when the KV pool ran out or for a better-priority arrival", get(&st.preemptions_total)),
         (
@@ -164,6 +164,11 @@ pub fn render(st: &RouterState) -> String {
         ("pagemill_prefill_tokens_total", "Prompt tokens computed", get(&st.prefill_tokens_total)),
         ("pagemill_generated_tokens_total", "Tokens generated", get(&st.generated_tokens_total)),
         ("pagemill_decode_steps_total", "Decode steps run", get(&st.decode_steps_total)),
+        (
+            "pagemill_steps_ahead_total",
+            "Decode steps sent before the reply of the step in flight (overlapping the router's work with the forward)",
+            get(&st.steps_ahead_total),
+        ),
         (
             "pagemill_decode_forward_seconds_total",
             "Shard-reported forward time of decode steps",

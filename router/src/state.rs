@@ -21,6 +21,8 @@ pub struct RouterState {
     pub prefill_tokens_total: AtomicU64,
     pub generated_tokens_total: AtomicU64,
     pub decode_steps_total: AtomicU64,
+    /// Steps sent before the reply of the step ahead of them (scheduler/ahead.rs).
+    pub steps_ahead_total: AtomicU64,
     /// Sum over decode steps of the shard's forward time and of the whole step, in ns.
     pub decode_forward_ns_total: AtomicU64,
     pub decode_step_ns_total: AtomicU64,

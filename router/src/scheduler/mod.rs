@@ -9,6 +9,7 @@ pub mod admission;
 mod order;
 pub mod plan;
 mod priority_preempt;
+mod ahead;
 mod recover;
 mod run;
 pub mod sequence;
@@ -28,6 +29,8 @@ mod tests_priority_preempt;
 mod tests_tier;
 #[cfg(test)]
 mod tests_requeue;
+#[cfg(test)]
+mod tests_ahead;
 
 pub use plan::{schedule, StepPlan};
 pub use recover::is_group_down;

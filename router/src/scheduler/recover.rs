@@ -40,31 +40,40 @@ pub fn is_group_down(status: &tonic::Status) -> bool {
     matches!(status.code(), Code::Unavailable | Code::Unknown | Code::Cancelled | Code::DeadlineExceeded)
 }
 
-impl Scheduler {
-    /// The step, watched: a step outlasting WATCH_AFTER makes the loop probe
-    /// the group's Health alongside it, and no answer within HUNG_AFTER fails
-    /// the step as DEADLINE_EXCEEDED (the group goes out of rotation).
-    pub(super) async fn step_watched(&mut self, req: crate::proto::pb::StepRequest) -> Result<crate::proto::pb::StepResponse, tonic::Status> {
-        let mut probe = self.client.clone();
-        let step = self.client.step(req);
-        tokio::pin!(step);
-        loop {
-            tokio::select! {
-                r = &mut step => return r,
-                _ = tokio::time::sleep(WATCH_AFTER) => {}
-            }
-            tokio::select! {
-                r = &mut step => return r,
-                answer = tokio::time::timeout(HUNG_AFTER, probe.health()) => {
-                    if answer.is_err() {
-                        return Err(tonic::Status::deadline_exceeded(format!(
-                            "the shard group stopped answering: no Health reply within {} s during a step",
-                            HUNG_AFTER.as_secs()
-                        )));
-                    }
+/// A step running past WATCH_AFTER gets a Health probe of the group
+/// alongside it, and no answer within HUNG_AFTER fails the step as
+/// DEADLINE_EXCEEDED (the group goes out of rotation).
+async fn watched(
+    mut client: crate::client::ShardedClient,
+    req: crate::proto::pb::StepRequest,
+) -> Result<crate::proto::pb::StepResponse, tonic::Status> {
+    let mut probe = client.clone();
+    let step = client.step(req);
+    tokio::pin!(step);
+    loop {
+        tokio::select! {
+            r = &mut step => return r,
+            _ = tokio::time::sleep(WATCH_AFTER) => {}
+        }
+        tokio::select! {
+            r = &mut step => return r,
+            answer = tokio::time::timeout(HUNG_AFTER, probe.health()) => {
+                if answer.is_err() {
+                    return Err(tonic::Status::deadline_exceeded(format!(
+                        "the shard group stopped answering: no Health reply within {} s during a step",
+                        HUNG_AFTER.as_secs()
+                    )));
                 }
             }
         }
+    }
+}
+
+impl Scheduler {
+    /// The step to every shard of the group, watched (see `watched`); the
+    /// future owns its clients, so the loop can hold two at once (ahead.rs).
+    pub(super) fn send(&self, req: crate::proto::pb::StepRequest) -> super::run::StepFuture {
+        Box::pin(watched(self.client.clone(), req))
     }
 
     pub(super) fn step_failed(&mut self, status: tonic::Status) {

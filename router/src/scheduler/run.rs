@@ -8,11 +8,15 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::future::Future;
+use std::pin::Pin;
+use std::task::Poll;
 use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use super::plan::schedule;
+use super::ahead::plan_ahead;
+use super::plan::{schedule, StepPlan};
 use super::state::State;
 use super::update::{is_terminal, update, Event};
 use super::SchedulerConfig;
@@ -39,6 +43,16 @@ pub struct Scheduler {
     pub(super) stats: Arc<GroupStats>,
     /// What the group's shards are warmed up with, again when they come back.
     pub(super) warmup: pb::WarmupRequest,
+}
+
+pub(super) type StepFuture = Pin<Box<dyn Future<Output = Result<pb::StepResponse, tonic::Status>> + Send>>;
+
+/// A step sent to the group's shards and its plan, awaiting the reply.
+struct InFlight {
+    plan: StepPlan,
+    step: StepFuture,
+    /// When the shard could start it: sent, or the previous step's reply.
+    sent: Instant,
 }
 
 /// Marks the loop dead when it ends, returns or panics (Drop runs while
@@ -72,17 +86,73 @@ impl Scheduler {
     pub async fn run(mut self) {
         self.router.scheduler_alive.store(true, Ordering::SeqCst);
         let _alive = AliveGuard(self.router.clone());
+        // The step sent before the reply of the one in flight (ahead.rs).
+        let mut ahead: Option<InFlight> = None;
+        loop {
+            let current = match ahead.take() {
+                Some(next) => next,
+                None => match self.plan_step().await {
+                    Some(step) => step,
+                    None => break,
+                },
+            };
+            let InFlight { plan, mut step, sent } = current;
+            let first = futures::poll!(step.as_mut());
+            if first.is_pending() {
+                // On the connection before the next step is (the shard runs them in arrival order).
+                ahead = self.send_ahead(&plan).await;
+            }
+            let result = match first {
+                Poll::Ready(r) => r,
+                Poll::Pending => (&mut step).await,
+            };
+            let took = sent.elapsed();
+            if let Some(next) = ahead.as_mut() {
+                // Its time counts from this reply: before it, the shard was busy with this step.
+                next.sent = Instant::now();
+            }
+            match result {
+                Ok(resp) => {
+                    let (events, stats) = update(&mut self.state, &plan, &resp);
+                    if stats.unknown_ids > 0 {
+                        tracing::warn!("the shard answered {} request id(s) it was not asked for", stats.unknown_ids);
+                    }
+                    RouterState::add(&self.router.generated_tokens_total, stats.generated_tokens);
+                    RouterState::add(&self.stats.generated_tokens_total, stats.generated_tokens);
+                    RouterState::add(&self.router.kv_window_released_blocks_total, stats.window_released_blocks);
+                    self.count_tier(&resp, stats.tier_loaded_blocks, stats.tier_failed_loads);
+                    if plan.has_decode() {
+                        RouterState::add(&self.router.decode_steps_total, 1);
+                        RouterState::add(&self.router.decode_forward_ns_total, resp.forward_ns);
+                        RouterState::add(&self.router.decode_step_ns_total, took.as_nanos() as u64);
+                    }
+                    self.deliver(events);
+                }
+                Err(status) => {
+                    // The step sent ahead is dropped (cancelled): the failure
+                    // resets every sequence it names (fail_all or group_down).
+                    ahead = None;
+                    self.step_failed(status);
+                }
+            }
+            self.publish();
+        }
+    }
+
+    /// Waits for work and plans the next step from the state; sends it.
+    /// None when the router shuts down.
+    async fn plan_step(&mut self) -> Option<InFlight> {
         loop {
             if !self.stats.serving() {
                 if !self.recover().await {
-                    break;
+                    return None;
                 }
                 continue;
             }
             if self.state.is_idle() && self.state.finished.is_empty() && !self.state.kv.has_tier_ops() {
                 match self.rx.recv().await {
                     Some(e) => self.enqueue(e),
-                    None => break,
+                    None => return None,
                 }
             }
             while let Ok(e) = self.rx.try_recv() {
@@ -112,28 +182,26 @@ impl Scheduler {
             RouterState::add(&self.router.kv_tier_hit_tokens_total, plan.tier_hit_tokens);
             RouterState::add(&self.stats.prefill_tokens_total, plan.prompt_tokens);
             RouterState::add(&self.stats.prefix_hit_tokens_total, plan.prefix_hit_tokens);
-            let started = Instant::now();
-            match self.step_watched(plan.request.clone()).await {
-                Ok(resp) => {
-                    let (events, stats) = update(&mut self.state, &plan, &resp);
-                    if stats.unknown_ids > 0 {
-                        tracing::warn!("the shard answered {} request id(s) it was not asked for", stats.unknown_ids);
-                    }
-                    RouterState::add(&self.router.generated_tokens_total, stats.generated_tokens);
-                    RouterState::add(&self.stats.generated_tokens_total, stats.generated_tokens);
-                    RouterState::add(&self.router.kv_window_released_blocks_total, stats.window_released_blocks);
-                    self.count_tier(&resp, stats.tier_loaded_blocks, stats.tier_failed_loads);
-                    if plan.has_decode() {
-                        RouterState::add(&self.router.decode_steps_total, 1);
-                        RouterState::add(&self.router.decode_forward_ns_total, resp.forward_ns);
-                        RouterState::add(&self.router.decode_step_ns_total, started.elapsed().as_nanos() as u64);
-                    }
-                    self.deliver(events);
-                }
-                Err(status) => self.step_failed(status),
-            }
-            self.publish();
+            let step = self.send(plan.request.clone());
+            return Some(InFlight { plan, step, sent: Instant::now() });
         }
+    }
+
+    /// The decode step after `inflight`, sent now when nothing but its reply
+    /// could change it (ahead.rs); news that arrived first is taken in.
+    async fn send_ahead(&mut self, inflight: &StepPlan) -> Option<InFlight> {
+        while let Ok(e) = self.rx.try_recv() {
+            self.enqueue(e);
+        }
+        self.drop_leaving();
+        let plan = plan_ahead(&mut self.state, inflight)?;
+        RouterState::add(&self.router.steps_ahead_total, 1);
+        let mut step = self.send(plan.request.clone());
+        // Polled once: its request joins the connection behind the one in flight.
+        if let Poll::Ready(r) = futures::poll!(step.as_mut()) {
+            step = Box::pin(std::future::ready(r));
+        }
+        Some(InFlight { plan, step, sent: Instant::now() })
     }
 
     pub(super) fn enqueue(&mut self, arrival: Arrival) {

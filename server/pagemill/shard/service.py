@@ -18,6 +18,7 @@ Step semantics (the proto comments are the contract; shard/requests.py checks):
 from __future__ import annotations
 
 import asyncio
+import collections
 import functools
 import logging
 import time
@@ -60,6 +61,9 @@ class ShardService:
         self.lock = asyncio.Lock()
         # Every model call runs on this one thread (see new_model_thread()), or in place.
         self.model_thread = None if inline else model_thread or new_model_thread()
+        # Steps waiting for the model thread, in arrival order, and how many are queued or running.
+        self._steps: collections.deque = collections.deque()
+        self._stepping = 0
 
     async def _on_model_thread(self, fn, *args):
         if self.model_thread is None:
@@ -72,7 +76,7 @@ class ShardService:
         return self.runner.info()
 
     async def Health(self, request, context):
-        if self.lock.locked() and self.model_thread is not None:
+        if (self.lock.locked() or self._stepping) and self.model_thread is not None:
             # A step (or warmup) holds the model thread, maybe for a long while: this loop
             # answering is the sign of life the router's step watch asks for (recover.rs).
             # The device check waits for a moment when the model thread is free.
@@ -87,8 +91,11 @@ class ShardService:
 
     async def Step(self, request, context):
         start = time.perf_counter_ns()
-        async with self.lock:
-            result = await self._on_model_thread(self.runner.step, request)
+        if self.model_thread is None:
+            async with self.lock:
+                result = self.runner.step(request)
+        else:
+            result = await self._queued_step(request)
         resp = pb.StepResponse(generations=result.generations, forward_ns=result.forward_ns)
         if result.tier is not None:
             t = result.tier
@@ -97,6 +104,34 @@ class ShardService:
             resp.kv_load_ns, resp.kv_save_ns = t.load_ns, t.save_ns
         resp.total_ns = time.perf_counter_ns() - start
         return resp
+
+    async def _queued_step(self, request):
+        """The step, run by the model thread in arrival order. A router that sends the next
+        step before this one's reply (scheduler/ahead.rs) finds it queued here: the model
+        thread starts it as soon as this one ends, without a turn of the event loop in
+        between, while this loop sends the reply."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._stepping += 1
+        try:
+            # Warmup holds the lock for its whole run: no step slips in beside it.
+            async with self.lock:
+                self._steps.append((request, done))
+                self.model_thread.submit(self._drain, loop)
+            return await done
+        finally:
+            self._stepping -= 1
+
+    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the model thread: every queued step, oldest first."""
+        while self._steps:
+            request, done = self._steps.popleft()
+            try:
+                result = self.runner.step(request)
+            except BaseException as e:  # the step's own error, answered by its call
+                loop.call_soon_threadsafe(_settle, done, None, e)
+            else:
+                loop.call_soon_threadsafe(_settle, done, result, None)
 
     # --- registration ----------------------------------------------------------------
 
@@ -116,6 +151,15 @@ class ShardService:
             for name, (req, resp) in rpcs.items()
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+def _settle(done: asyncio.Future, result, error: BaseException | None) -> None:
+    if done.cancelled():  # the router gave up on the call; the step ran all the same
+        return
+    if error is not None:
+        done.set_exception(error)
+    else:
+        done.set_result(result)
 
 
 def _with_status(name: str, method):
