@@ -3,8 +3,10 @@ dense float64 attention over the same keys, for float32 and bfloat16 pools, in t
 native build and the builds with the AVX512-BF16 / AVX-512 paths compiled out.
 
 Tolerances: float32 2e-5 absolute + 1e-4 relative (float32 arithmetic against float64);
-bfloat16 2^-7 relative + 2e-3 absolute (the output is rounded to bf16, 2^-8; the
-products of bf16 entries are exact in float32, the sums float32)."""
+bfloat16 2^-7 relative + 4e-3 absolute per element, and a mean absolute error under 1e-3
+(the output is rounded to bf16, 2^-8; with AVX512-BF16 the probabilities meet the values
+as bf16, as in torch's bf16 attention; measured: max and mean errors no larger than
+the torch bf16 path's against the same float64 reference, ~8e-3 and ~3-7e-4)."""
 
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ BLOCK, NUM_BLOCKS, KV_HEADS = 16, 160, 2
 # (cached prefix, new tokens): fresh prompts, block-aligned and unaligned prefixes,
 # one-token chunks (a decode row in a mixed step), chunks of 1..300 tokens.
 SHAPES = [(0, 1), (0, 300), (16, 33), (37, 5), (5, 1), (48, 64), (0, 17), (130, 170), (7, 2)]
-TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-3, rtol=2**-7)}
+TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=4e-3, rtol=2**-7)}
+MEAN_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 
 
 @pytest.fixture(scope="module", params=[(), ("-mno-avx512bf16",), ("-mno-avx512f",)],
@@ -94,7 +97,9 @@ def test_matches_dense_attention(library, dtype, group, head_dim, window):
     out = library.prefill_attention(step.q, step.k_cache, step.v_cache, m.block_tables, m.cu_seqlens_q,
                                     m.context_lens, scale, window)  # fmt: skip
     assert out.dtype == dtype
-    torch.testing.assert_close(out.double(), step.expected(scale, window), **TOL[dtype])
+    expected = step.expected(scale, window)
+    torch.testing.assert_close(out.double(), expected, **TOL[dtype])
+    assert (out.double() - expected).abs().mean() < MEAN_TOL[dtype]
 
 
 @pytest.mark.parametrize("head_dim", [48, 80, 256])

@@ -56,9 +56,9 @@ struct PrefillTile {
 
 // Per-thread scratch, reused across tiles.
 struct PrefillScratch {
-  std::vector<float> q, o, s, vf, m, l, rowsum, mnew, corr;
-  std::vector<int64_t> offs, rlo, rhi;
-  std::vector<uint32_t> kt;
+  std::vector<float> q, o, s, kb, vf, m, l, corr;
+  std::vector<int64_t> offs;
+  std::vector<int32_t> rlo, rhi;  // each row's keys: rlo..rhi-1
 };
 
 // The portable loop, one query row at a time (two passes over its keys).
@@ -92,93 +92,76 @@ void prefill_tile_scalar(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
 
 #if defined(__AVX512F__)
 
-// Lane j of r[k] <- lane k of r[j]: a 16 x 16 transpose of 32-bit entries.
-inline void transpose16x16(__m512i* r) {
-  __m512i t[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane: pairs of rows interleaved
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  __m512i u[16];  // u[4G + k], 128-bit lane L: column 4L + k of rows 4G..4G+3
-  for (int G = 0; G < 4; ++G) {
-    u[4 * G + 0] = _mm512_unpacklo_epi64(t[4 * G + 0], t[4 * G + 2]);
-    u[4 * G + 1] = _mm512_unpackhi_epi64(t[4 * G + 0], t[4 * G + 2]);
-    u[4 * G + 2] = _mm512_unpacklo_epi64(t[4 * G + 1], t[4 * G + 3]);
-    u[4 * G + 3] = _mm512_unpackhi_epi64(t[4 * G + 1], t[4 * G + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {  // gather lane L of u[k], u[4+k], u[8+k], u[12+k] into column 4L + k
-    const __m512i v0 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0x44), v1 = _mm512_shuffle_i32x4(u[k], u[4 + k], 0xEE);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0x44);
-    const __m512i w1 = _mm512_shuffle_i32x4(u[8 + k], u[12 + k], 0xEE);
-    r[k] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    r[4 + k] = _mm512_shuffle_i32x4(v0, w0, 0xDD);
-    r[8 + k] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[12 + k] = _mm512_shuffle_i32x4(v1, w1, 0xDD);
-  }
-}
-
-// kt[c] lane j = 32-bit column c of key row j, for the `cols` columns of a row.
-inline void pack_keys(const uint32_t* const* rows, int64_t cols, uint32_t* kt) {
-  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
-    const __mmask16 m = first(cols - c0);
-    __m512i r[16];
-    for (int j = 0; j < 16; ++j) r[j] = _mm512_maskz_loadu_epi32(m, rows[j] + c0);
-    transpose16x16(r);
-    for (int64_t k = 0; k < 16 && c0 + k < cols; ++k) _mm512_storeu_si512((void*)(kt + 16 * (c0 + k)), r[k]);
-  }
-}
-
-// s[r][j] = scale * q[r] . k[j] for RB rows: bf16 (qp: rows of D/2 bf16 pairs)
-// or float32 (qf: rows of D floats) against the transposed chunk kt.
-template <typename T, int RB, int D>
-inline void chunk_scores(const float* qf, const uint32_t* qp, const uint32_t* kt, __m512 scale, float* s) {
-  __m512 acc[RB];
-  for (int r = 0; r < RB; ++r) acc[r] = _mm512_setzero_ps();
-  if constexpr (std::is_same_v<T, bf16>) {
+// Whether bf16 pairs meet in vdpbf16ps (T bf16 and the CPU has AVX512-BF16).
+template <typename T>
 #if defined(__AVX512BF16__)
-    (void)qf;
-    for (int c = 0; c < D / 2; ++c) {
-      const __m512bh k = (__m512bh)_mm512_loadu_si512((const void*)(kt + 16 * c));
-      for (int r = 0; r < RB; ++r)
-        acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_set1_epi32((int)qp[r * (D / 2) + c]), k);
-    }
+constexpr bool kPrefillDp = std::is_same_v<T, bf16>;
 #else
-    (void)qp;
-    for (int c = 0; c < D / 2; ++c) {  // the pair's low half is the even dim, its high half the odd one
-      const __m512i k = _mm512_loadu_si512((const void*)(kt + 16 * c));
-      const __m512 ke = _mm512_castsi512_ps(_mm512_slli_epi32(k, 16));
-      const __m512 ko = _mm512_castsi512_ps(_mm512_and_si512(k, _mm512_set1_epi32((int)0xffff0000u)));
-      for (int r = 0; r < RB; ++r) {
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * D + 2 * c]), ke, acc[r]);
-        acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * D + 2 * c + 1]), ko, acc[r]);
+constexpr bool kPrefillDp = false;
+#endif
+
+// Scores of one row group (16 query rows in the lanes) against a chunk of 16
+// keys (kb: their rows, contiguous): acc[j] lane r = q[r] . k[j]. vdpbf16ps on
+// bf16 pairs (qt: [D/2][16] pairs, kb: bf16 rows) or FMA in float32 (qt: [D][16],
+// kb: float rows). The key entries are broadcast from kb, the query columns loaded.
+template <bool kDp, int D>
+inline void chunk_scores(const void* qt, const void* kb, __m512* acc) {
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  if constexpr (kDp) {
+#if defined(__AVX512BF16__)
+    const uint32_t* q = (const uint32_t*)qt;
+    const uint32_t* k = (const uint32_t*)kb;
+    for (int c = 0; c < D / 2; ++c) {
+      const __m512bh qc = (__m512bh)_mm512_loadu_si512((const void*)(q + 16 * c));
+      for (int j = 0; j < 16; ++j)
+        acc[j] = _mm512_dpbf16_ps(acc[j], qc, (__m512bh)_mm512_set1_epi32((int)k[j * (D / 2) + c]));
+    }
+#endif
+  } else {
+    const float* q = (const float*)qt;
+    const float* k = (const float*)kb;
+    for (int d = 0; d < D; ++d) {
+      const __m512 qd = _mm512_loadu_ps(q + 16 * d);
+      for (int j = 0; j < 16; ++j) acc[j] = _mm512_fmadd_ps(qd, _mm512_set1_ps(k[j * D + d]), acc[j]);
+    }
+  }
+}
+
+// o[r] = o[r] * corr[r] + sum_j p[r][j] v[j] for RB rows of a row group (their lanes
+// r0..r0+RB-1 in p). kDp: p as bf16 pairs of keys pp[kp][16] and v as pairs of value
+// rows vp[kp][NV] (lane e of vector c: dim 16c + e of keys 2kp, 2kp+1); else p float
+// [j][16] and v float rows [j][D].
+template <bool kDp, int NV, int RB>
+inline void chunk_values(const void* p, const void* v, int64_t n, const float* corr, int64_t r0, float* o) {
+  constexpr int D = 16 * NV;
+  __m512 acc[RB][NV];
+  for (int r = 0; r < RB; ++r) {
+    const __m512 cr = _mm512_set1_ps(corr[r0 + r]);
+    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), cr);
+  }
+  if constexpr (kDp) {
+#if defined(__AVX512BF16__)
+    const uint32_t* pp = (const uint32_t*)p + r0;
+    const __m512i* vp = (const __m512i*)v;
+    for (int64_t kp = 0; kp < (n + 1) / 2; ++kp) {
+      __m512bh pk[RB];
+      for (int r = 0; r < RB; ++r) pk[r] = (__m512bh)_mm512_set1_epi32((int)pp[16 * kp + r]);
+      for (int c = 0; c < NV; ++c) {
+        const __m512bh vc = (__m512bh)_mm512_loadu_si512((const void*)(vp + kp * NV + c));
+        for (int r = 0; r < RB; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pk[r], vc);
       }
     }
 #endif
   } else {
-    (void)qp;
-    for (int d = 0; d < D; ++d) {
-      const __m512 k = _mm512_loadu_ps((const float*)(kt + 16 * d));
-      for (int r = 0; r < RB; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[r * D + d]), k, acc[r]);
-    }
-  }
-  for (int r = 0; r < RB; ++r) _mm512_storeu_ps(s + 16 * r, _mm512_mul_ps(acc[r], scale));
-}
-
-// o[r] = o[r] * corr[r] + sum_j p[r][j] v[j] for RB rows, v the chunk's n value rows in float32.
-template <int NV, int RB>
-inline void chunk_values(const float* p, const float* vf, int64_t n, const float* corr, float* o) {
-  constexpr int D = 16 * NV;
-  __m512 acc[RB][NV];
-  for (int r = 0; r < RB; ++r) {
-    const __m512 cr = _mm512_set1_ps(corr[r]);
-    for (int c = 0; c < NV; ++c) acc[r][c] = _mm512_mul_ps(_mm512_loadu_ps(o + r * D + 16 * c), cr);
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    __m512 pj[RB];
-    for (int r = 0; r < RB; ++r) pj[r] = _mm512_set1_ps(p[16 * r + j]);
-    for (int c = 0; c < NV; ++c) {
-      const __m512 v = _mm512_loadu_ps(vf + j * D + 16 * c);
-      for (int r = 0; r < RB; ++r) acc[r][c] = _mm512_fmadd_ps(pj[r], v, acc[r][c]);
+    const float* pf = (const float*)p + r0;
+    const float* vf = (const float*)v;
+    for (int64_t j = 0; j < n; ++j) {
+      __m512 pj[RB];
+      for (int r = 0; r < RB; ++r) pj[r] = _mm512_set1_ps(pf[16 * j + r]);
+      for (int c = 0; c < NV; ++c) {
+        const __m512 vc = _mm512_loadu_ps(vf + j * D + 16 * c);
+        for (int r = 0; r < RB; ++r) acc[r][c] = _mm512_fmadd_ps(pj[r], vc, acc[r][c]);
+      }
     }
   }
   for (int r = 0; r < RB; ++r)
@@ -189,72 +172,66 @@ inline void chunk_values(const float* p, const float* vf, int64_t n, const float
 template <int NV>
 constexpr int kValueRows = NV <= 4 ? 4 : (NV <= 8 ? 2 : 1);
 
-// One chunk's online softmax for rows r < R: s (scores, row by row) becomes
-// the probabilities against the new running max; corr the rescale of the old
-// output and sum. Rows that see none of keys c0..c0+n-1 keep their state.
-inline void chunk_softmax(PrefillScratch& w, int64_t R, int64_t c0, int64_t n) {
-  float* s = w.s.data();
-  for (int64_t r = 0; r < R; ++r, s += 16) {
-    const int64_t a = std::max<int64_t>(w.rlo[r] - c0, 0), b = std::min<int64_t>(w.rhi[r] - c0, n);
-    w.mnew[r] = w.m[r];
-    if (b <= a) {
-      _mm512_storeu_ps(s, _mm512_setzero_ps());
-      w.rowsum[r] = 0.f;
-      continue;
+// The chunk's value rows as chunk_values reads them (rows j >= n zero).
+template <typename T, bool kDp, int NV>
+inline void pack_values(const T* const* rows, int64_t n, void* dst) {
+  constexpr int D = 16 * NV;
+  if constexpr (kDp) {
+    // Pairs of rows interleaved 16 bits at a time, then 128-bit lanes put back in dim order.
+    __m512i* vp = (__m512i*)dst;  // (not 64-byte aligned: unaligned stores)
+    const __m512i lo_idx = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+    const __m512i hi_idx = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int64_t kp = 0; kp < (n + 1) / 2; ++kp) {
+      const bf16 *a = rows[2 * kp], *b = rows[2 * kp + 1];
+      for (int h = 0; h < D / 32; ++h) {
+        const __m512i x = _mm512_loadu_si512((const void*)(a + 32 * h));
+        const __m512i y = _mm512_loadu_si512((const void*)(b + 32 * h));
+        const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+        _mm512_storeu_si512((void*)(vp + kp * NV + 2 * h), _mm512_permutex2var_epi64(lo, lo_idx, hi));
+        _mm512_storeu_si512((void*)(vp + kp * NV + 2 * h + 1), _mm512_permutex2var_epi64(lo, hi_idx, hi));
+      }
+      if constexpr (NV % 2 == 1) {  // the last 16 dims of an odd NV
+        const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(a + D - 16)));
+        const __m512i y = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(b + D - 16)));
+        const __m512i lo = _mm512_unpacklo_epi16(x, y), hi = _mm512_unpackhi_epi16(x, y);
+        _mm512_storeu_si512((void*)(vp + kp * NV + NV - 1), _mm512_permutex2var_epi64(lo, lo_idx, hi));
+      }
     }
-    const __mmask16 vis = (__mmask16)(first(b) & ~first(a));
-    const __m512 x = _mm512_maskz_loadu_ps(vis, s);
-    const float mx = _mm512_mask_reduce_max_ps(vis, x);
-    const float mn = mx > w.m[r] ? mx : w.m[r];
-    const __m512 e = _mm512_maskz_mov_ps(vis, exp_nonpositive(_mm512_sub_ps(x, _mm512_set1_ps(mn))));
-    _mm512_storeu_ps(s, e);
-    w.mnew[r] = mn;
-    w.rowsum[r] = _mm512_reduce_add_ps(e);
-  }
-  for (int64_t r = 0; r < R; r += 16) {  // e^(m_old - m_new), 16 rows at a time (m_old -inf: 0)
-    const __mmask16 k = first(R - r);
-    const __m512 d = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, w.m.data() + r), _mm512_maskz_loadu_ps(k, w.mnew.data() + r));
-    const __m512 corr = exp_nonpositive(d);  // -inf - -inf (no key yet): NaN, clamped to e^-87 on 0s
-    _mm512_mask_storeu_ps(w.corr.data() + r, k, corr);
-    const __m512 l = _mm512_maskz_loadu_ps(k, w.l.data() + r);
-    _mm512_mask_storeu_ps(w.l.data() + r, k, _mm512_fmadd_ps(l, corr, _mm512_maskz_loadu_ps(k, w.rowsum.data() + r)));
-    _mm512_mask_storeu_ps(w.m.data() + r, k, _mm512_maskz_loadu_ps(k, w.mnew.data() + r));
+  } else {
+    float* vf = (float*)dst;
+    for (int64_t j = 0; j < n; ++j)
+      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(vf + j * D + 16 * c, load16(rows[j] + 16 * c));
   }
 }
 
 template <typename T, int NV>
 void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch& w) {
   constexpr int D = 16 * NV;
-  constexpr bool kPairs = std::is_same_v<T, bf16>;
-  constexpr int64_t cols = kPairs ? D / 2 : D;  // 32-bit columns of a key row
-#if defined(__AVX512BF16__)
-  constexpr bool kDp = kPairs;
-#else
-  constexpr bool kDp = false;
-#endif
-  const int64_t rows = (t.i1 - t.i0) * t.group, R = (rows + 3) & ~(int64_t)3;  // padded: blocks of 4
+  constexpr bool kDp = kPrefillDp<T>;
+  const int64_t rows = (t.i1 - t.i0) * t.group, groups = (rows + 15) / 16, R = 16 * groups;
+  // Queries transposed per row group: [group][D/2 pairs or D dims][16 lanes].
   w.q.assign(R * D, 0.f);
   w.o.assign(R * D, 0.f);
-  w.s.resize(R * 16);
-  w.vf.resize(kKeyChunk * D);
-  w.kt.resize(16 * cols);
   w.m.assign(R, -INFINITY);
   w.l.assign(R, 0.f);
-  w.rowsum.resize(R);
-  w.mnew.resize(R);
   w.corr.resize(R);
   w.rlo.assign(R, 0);
   w.rhi.assign(R, 0);  // padding rows see no key
-  uint32_t* qp = (uint32_t*)w.q.data();  // bf16 pairs (the dp path) share the buffer
+  w.kb.resize(16 * D);  // the chunk's keys, contiguous (bf16 rows for kDp, else float32)
+  w.vf.resize(16 * D + 16 * NV);
+  w.s.resize(16 * 16);  // one row group's probabilities
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = t.i0 + r / t.group, g = r % t.group;
+    const int64_t i = t.i0 + r / t.group, g = r % t.group, lane = r % 16;
     const T* src = t.q + i * t.q_stride + g * D;
-    if constexpr (kDp)
-      memcpy(qp + r * (D / 2), src, D * sizeof(T));
-    else
-      for (int64_t d = 0; d < D; ++d) w.q[r * D + d] = to_float(src[d]);
-    w.rhi[r] = t.cached + i + 1;
-    w.rlo[r] = first_key(w.rhi[r], t.window);
+    float* qg = w.q.data() + (r / 16) * 16 * D;
+    if constexpr (kDp) {
+      uint32_t* qp = (uint32_t*)qg;
+      for (int64_t c = 0; c < D / 2; ++c) memcpy(qp + 16 * c + lane, src + 2 * c, 4);
+    } else {
+      for (int64_t d = 0; d < D; ++d) qg[16 * d + lane] = to_float(src[d]);
+    }
+    w.rhi[r] = (int32_t)(t.cached + i + 1);
+    w.rlo[r] = (int32_t)first_key(w.rhi[r], t.window);
   }
   const int64_t lo = first_key(t.cached + t.i0 + 1, t.window), hi = t.cached + t.i1;
   w.offs.resize(hi - lo);
@@ -270,20 +247,62 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
       prefetch_row(kv.k + offs[j], D);
       prefetch_row(kv.v + offs[j], D);
     }
-    const uint32_t* krows[16];
-    for (int64_t j = 0; j < 16; ++j) krows[j] = (const uint32_t*)(j < n ? (const void*)(kv.k + offs[j]) : (const void*)zero);
-    pack_keys(krows, cols, w.kt.data());
-    for (int64_t j = 0; j < n; ++j)  // (rows past n stay unread: their probabilities are 0)
-      for (int c = 0; c < NV; ++c) _mm512_storeu_ps(w.vf.data() + j * D + 16 * c, load16(kv.v + offs[j] + 16 * c));
-    int64_t r = 0;
-    for (; r + 8 <= R; r += 8)
-      chunk_scores<T, 8, D>(w.q.data() + r * D, qp + r * (D / 2), w.kt.data(), scale, w.s.data() + 16 * r);
-    for (; r < R; r += 4)
-      chunk_scores<T, 4, D>(w.q.data() + r * D, qp + r * (D / 2), w.kt.data(), scale, w.s.data() + 16 * r);
-    chunk_softmax(w, R, c0, n);
-    constexpr int RB = kValueRows<NV>;
-    for (r = 0; r < R; r += RB)
-      chunk_values<NV, RB>(w.s.data() + 16 * r, w.vf.data(), n, w.corr.data() + r, w.o.data() + r * D);
+    const T* vrows[16];
+    for (int64_t j = 0; j < 16; ++j) vrows[j] = j < n ? kv.v + offs[j] : (const T*)zero;
+    pack_values<T, kDp, NV>(vrows, n, w.vf.data());
+    if constexpr (kDp) {
+      bf16* kb = (bf16*)w.kb.data();
+      for (int64_t j = 0; j < 16; ++j) memcpy(kb + j * D, j < n ? (const void*)(kv.k + offs[j]) : (const void*)zero, D * 2);
+    } else {
+      for (int64_t j = 0; j < 16; ++j)
+        for (int c = 0; c < NV; ++c)
+          _mm512_storeu_ps(w.kb.data() + j * D + 16 * c, j < n ? load16(kv.k + offs[j] + 16 * c) : _mm512_setzero_ps());
+    }
+    for (int64_t rg = 0; rg < groups; ++rg) {
+      __m512 acc[16];
+      chunk_scores<kDp, D>(w.q.data() + rg * 16 * D, w.kb.data(), acc);
+      // Online softmax, the 16 rows in the lanes: row r sees key c0 + j when rlo[r] <= c0 + j < rhi[r].
+      const __m512i rlo = _mm512_loadu_si512((const void*)(w.rlo.data() + 16 * rg));
+      const __m512i rhi = _mm512_loadu_si512((const void*)(w.rhi.data() + 16 * rg));
+      __mmask16 vis[16];
+      __m512 mx = _mm512_set1_ps(-INFINITY);
+      for (int j = 0; j < 16; ++j) {
+        const __m512i pos = _mm512_set1_epi32((int)(c0 + j));
+        vis[j] = j < n ? (__mmask16)(_mm512_cmple_epi32_mask(rlo, pos) & _mm512_cmplt_epi32_mask(pos, rhi)) : 0;
+        acc[j] = _mm512_mul_ps(acc[j], scale);
+        mx = _mm512_mask_max_ps(mx, vis[j], mx, acc[j]);
+      }
+      const __m512 m_old = _mm512_loadu_ps(w.m.data() + 16 * rg);
+      const __m512 m_new = _mm512_max_ps(m_old, mx);
+      __m512 sum = _mm512_setzero_ps();
+      for (int j = 0; j < 16; ++j) {  // (a row with no key yet has m_new -inf: masked out here)
+        acc[j] = _mm512_maskz_mov_ps(vis[j], exp_nonpositive(_mm512_sub_ps(acc[j], m_new)));
+        sum = _mm512_add_ps(sum, acc[j]);
+      }
+      // e^(m_old - m_new): 0 when m_old is -inf (-inf - -inf is NaN, clamped to e^-87: it scales 0s)
+      const __m512 corr = exp_nonpositive(_mm512_sub_ps(m_old, m_new));
+      _mm512_storeu_ps(w.corr.data() + 16 * rg, corr);
+      _mm512_storeu_ps(w.l.data() + 16 * rg, _mm512_fmadd_ps(_mm512_loadu_ps(w.l.data() + 16 * rg), corr, sum));
+      _mm512_storeu_ps(w.m.data() + 16 * rg, m_new);
+      if constexpr (kDp) {
+#if defined(__AVX512BF16__)
+        // Probabilities of keys 2kp, 2kp + 1 as one bf16 pair per row (rounded as torch's bf16 attention does).
+        const __m512i inter = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                               6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+        for (int kp = 0; kp < 8; ++kp) {
+          const __m512i x = (__m512i)_mm512_cvtne2ps_pbh(acc[2 * kp + 1], acc[2 * kp]);
+          _mm512_storeu_si512((void*)(w.s.data() + 16 * kp), _mm512_permutexvar_epi16(inter, x));
+        }
+#endif
+      } else {
+        for (int j = 0; j < 16; ++j) _mm512_storeu_ps(w.s.data() + 16 * j, acc[j]);
+      }
+      constexpr int RB = kValueRows<NV>;
+      const int64_t rmax = std::min<int64_t>(16, rows - 16 * rg);  // padding rows: no value pass
+      for (int64_t r = 0; r < rmax; r += RB)
+        chunk_values<kDp, NV, RB>(w.s.data(), w.vf.data(), n, w.corr.data() + 16 * rg, r,
+                                  w.o.data() + (16 * rg + r) * D);
+    }
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = t.i0 + r / t.group, g = r % t.group;
