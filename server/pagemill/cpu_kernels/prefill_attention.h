@@ -259,6 +259,7 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
           _mm512_storeu_ps(w.kb.data() + j * D + 16 * c, j < n ? load16(kv.k + offs[j] + 16 * c) : _mm512_setzero_ps());
     }
     for (int64_t rg = 0; rg < groups; ++rg) {
+      if (c0 >= w.rhi[std::min(16 * rg + 15, rows - 1)] || c0 + n <= w.rlo[16 * rg]) continue;  // sees none of it
       __m512 acc[16];
       chunk_scores<kDp, D>(w.q.data() + rg * 16 * D, w.kb.data(), acc);
       // Online softmax, the 16 rows in the lanes: row r sees key c0 + j when rlo[r] <= c0 + j < rhi[r].
@@ -319,8 +320,25 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
 }
 #endif
 
+// A tile of one token (a decode row in a mixed step, or a one-token chunk): its
+// `group` rows would fill a row group of 16 lanes mostly with padding, so they go
+// through the decode kernel (paged_attention.h's attend_group) as before.
+template <typename T>
+void prefill_token(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch& w) {
+  const int64_t D = kv.head_dim, rows = t.group * D, len = t.cached + t.i0 + 1, lo = first_key(len, t.window);
+  w.q.resize(2 * rows);
+  w.s.resize(t.group * (len - lo));
+  float *qf = w.q.data(), *of = qf + rows;
+  const T* q = t.q + t.i0 * t.q_stride;  // the group's heads, D apart
+  for (int64_t i = 0; i < rows; ++i) qf[i] = to_float(q[i]);
+  attend_group(qf, D, t.group, kv, t.kv_head, lo, len, t.scale, w.s.data(), of, D);
+  T* out = t.out + t.i0 * t.out_stride;
+  for (int64_t i = 0; i < rows; ++i) out[i] = from_float<T>(of[i]);
+}
+
 template <typename T>
 void prefill_tile(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch& w) {
+  if (t.i1 - t.i0 == 1 && t.group < 8) return prefill_token(t, kv, w);
 #if defined(__AVX512F__)
   if (kv.head_dim % 16 == 0) {
     switch (kv.head_dim / 16) {
