@@ -18,8 +18,9 @@ is shared: medians of interleaved runs, not means).
 
 Model (--model): one prefill step of the default model in process (ShardDriver, as
 benchmarks/decode_breakdown.py builds the runner), the same prompts, tiled vs
-tokens (the kernel's method swapped between repetitions), forward time as the
-shard reports it, median of --model-reps interleaved.
+tokens (the kernel's method swapped between repetitions), median of --model-reps
+interleaved: at 1 thread the CPU time of the step call (time.process_time), at more
+the forward time the shard reports (wall).
 """
 
 from __future__ import annotations
@@ -132,11 +133,13 @@ def bench_model(kernels: DecodeKernels, lens: list[int], dtype: str, threads: in
     for rep in range(reps + 1):
         for name in ["tiled", "tokens"][:: 1 if rep % 2 else -1]:
             kernels.prefill_attention = tiled if name == "tiled" else per_token  # the instance's, this process
+            cpu = time.process_time()
             batch, step = driver.prefill(prompts, 2)
+            cpu = time.process_time() - cpu
             for rid in batch:
                 driver.release(rid)
             if rep:  # the first round warms up
-                times[name].append(step.forward_ns / 1e6)
+                times[name].append(cpu * 1e3 if threads == 1 else step.forward_ns / 1e6)
     kernels.prefill_attention = tiled
     return {"dtype": dtype, "threads": threads, "tokens": sum(lens)} | {
         f"{k}_ms": statistics.median(v) for k, v in times.items()}  # fmt: skip
@@ -146,6 +149,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=14)
     ap.add_argument("--tokens", type=int, default=2016)
+    ap.add_argument("--lens", default=None, help="prompt lengths instead (comma separated), e.g. 2048 for one long chunk")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--dtypes", default="bfloat16,float32")
     ap.add_argument("--reps", type=int, default=15)
@@ -158,7 +162,7 @@ def main() -> None:
     kernels = decode_kernels()
     if kernels is None:
         raise SystemExit("no compiled CPU kernels here")
-    lens = prompt_lens(args.prompts, args.tokens)
+    lens = [int(x) for x in args.lens.split(",")] if args.lens else prompt_lens(args.prompts, args.tokens)
     print(f"prompts: {lens} ({sum(lens)} tokens); ms per layer, median of {args.reps} interleaved")
     print("| dtype | step | threads | tiled ms | tokens ms | sdpa ms | tokens / tiled |")
     print("|---|---|---:|---:|---:|---:|---:|")
@@ -168,7 +172,8 @@ def main() -> None:
     if args.model:
         m = bench_model(kernels, lens, args.model_dtype, args.model_threads, args.model_reps)
         result["model"] = m
-        print(f"model prefill step ({m['dtype']}, {m['threads']} threads, {m['tokens']} tokens, forward ms, median of "
+        clock = "CPU ms" if m["threads"] == 1 else "forward ms (wall)"
+        print(f"model prefill step ({m['dtype']}, {m['threads']} threads, {m['tokens']} tokens, {clock}, median of "
               f"{args.model_reps}): tiled {m['tiled_ms']:.0f}, tokens {m['tokens_ms']:.0f}, "
               f"saved {m['tokens_ms'] - m['tiled_ms']:.0f} ms ({1 - m['tiled_ms'] / m['tokens_ms']:.1%})")  # fmt: skip
     if args.json:
