@@ -6,22 +6,26 @@
 // one-row query, so each key and value row of a 256-token prompt was read and
 // widened ~128 times and every score was a dot product of one query. Here a
 // tile of up to kPrefillRows query rows (tokens x group) meets each chunk of
-// 16 keys once:
-// - keys: the chunk is transposed once (16 keys in the lanes of a vector, one
-//   vector per 32-bit column: a bf16 pair of dims, or one float32 dim), so a
-//   query row's 16 scores are D/2 vdpbf16ps (bf16 with AVX512-BF16: the query
-//   and keys as stored, float32 sums) or D FMAs (float32; bf16 without
-//   AVX512-BF16 splits each pair into its two float32 halves), with the query
-//   entry broadcast and no horizontal sums.
-// - softmax: online (flash-style) in float32, per row a running max m and sum
-//   l; the output is rescaled by e^(m_old - m_new) when the max grows.
-// - values: the chunk widened once to float32, P.V FMA'd into float32
-//   accumulators in registers for a few rows at a time.
+// 16 keys once, in row groups of 16 rows (the vector lanes; the queries are
+// transposed once per tile):
+// - scores: per key, its entries broadcast against the row group's query
+//   columns: D/2 vdpbf16ps on bf16 pairs (bf16 with AVX512-BF16, query and
+//   keys as stored, float32 sums) or D FMAs in float32 (float32, and bf16
+//   without AVX512-BF16 over the chunk widened once); no horizontal sums.
+// - softmax: online (flash-style) in float32, 16 rows at once: a running max m
+//   and sum l per lane; the output is rescaled by e^(m_old - m_new).
+// - values: P.V into float32 accumulators in registers for a few rows at a
+//   time: with AVX512-BF16, P as bf16 pairs of keys against pairs of value rows
+//   interleaved once per chunk (vdpbf16ps; torch's bf16 attention rounds P to
+//   bf16 too), else FMA over the chunk widened to float32.
 // Causal inside the chunk (new token i at position cached + i sees keys
 // 0..cached + i) and the sliding window (key > query - window) are per-row
-// key ranges; a tile streams from its first row's first key to its last row.
-// Without AVX-512 (or head_dim not a multiple of 16, or over 256) a scalar
-// loop computes the same thing, one row at a time.
+// key ranges; a tile streams from its first row's first key to its last
+// row's position, and a row group skips the chunks none of its rows sees.
+// One-token tiles (decode rows of a mixed step) go through the decode kernel
+// (attend_group). Without AVX-512 (or a head_dim prefill_tile does not dispatch:
+// not 16..128 in steps of 16, 160, 192 or 256) a scalar loop computes the same
+// thing, one row at a time.
 #pragma once
 #include <math.h>
 #include <stdint.h>
