@@ -157,12 +157,15 @@ def test_bf16_batched_decode_matches_transformers(tiny_model):
     model, config = load_model(model_dir, "bfloat16", "cpu", backend=TorchAttentionBackend(kernels))
     model.model.fused = None
     calls = []
-    real = kernels.paged_attention
+    decode, prefill = kernels.paged_attention, kernels.prefill_attention
     backend = model.backend
-    backend.kernels = type("Counting", (), {"paged_attention": lambda self, *a: calls.append(1) or real(*a)})()
+    backend.kernels = type("Counting", (), {
+        "paged_attention": lambda self, *a: calls.append("decode") or decode(*a),
+        "prefill_attention": lambda self, *a: calls.append("prefill") or prefill(*a)})()  # fmt: skip
     check_against_transformers(name, model_dir, model, config)
-    # 20 decode steps and the 2 prefills (the first batch, the late joiner): all through the kernel.
-    assert len(calls) == (20 + 2) * config.num_hidden_layers
+    # 20 decode steps and the 2 prefills (the first batch, the late joiner): all through the kernels.
+    assert calls.count("decode") == 20 * config.num_hidden_layers
+    assert calls.count("prefill") == 2 * config.num_hidden_layers
 
 
 def test_bf16_fused_layer_fallback_builds_match_native(llama_dir, library):

@@ -8,8 +8,8 @@ h // (heads // kv_heads), as HF's repeat_kv does: prefill through SDPA's
 enable_gqa, decode by folding each kv head's query heads into query rows.
 
 Given the compiled CPU kernels (`--cpu-kernels`, the default; see
-cpu_kernels/decode.cpp), float32 and bfloat16 decode on the CPU reads the
-paged cache in place instead of gathering it; `TorchAttentionBackend()` alone is the pure
+cpu_kernels/decode.cpp, prefill_attention.h), float32 and bfloat16 decode and prefill on
+the CPU read the paged cache in place instead of gathering it; `TorchAttentionBackend()` alone is the pure
 torch reference the tests compare against.
 """
 
@@ -45,11 +45,18 @@ class TorchAttentionBackend:
         """window: each query sees only the last `window` keys, itself included (a sliding-window
         layer). softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2)."""
         # (Not over fp8 pools: there the new tokens attend to their exact k/v, as below; not with
-        # a soft cap, which the kernel does not apply. Over int8 pools it does: the kernel
-        # dequantizes as it reads, so chunks over cached blocks never widen the whole prefix.)
-        if self.kernels is not None and softcap is None and meta.max_seqlen_q <= KERNEL_PREFILL_MAX_ROWS \
-                and (k_cache.dtype == q.dtype or is_int8(k_cache.dtype)) \
-                and _kernel_applies(q, k_cache, v_cache, meta):
+        # a soft cap, which the kernels do not apply.)
+        usable = self.kernels is not None and softcap is None and _kernel_applies(q, k_cache, v_cache, meta)
+        if usable and k_cache.dtype == q.dtype and meta.cu_seqlens_q.dtype == torch.int32 \
+                and meta.cu_seqlens_q.is_contiguous():
+            # A pool of q's dtype: each sequence's chunk in tiles of tokens x the query heads of a
+            # kv head, each reading the keys once (cpu_kernels/prefill_attention.h); any length,
+            # one-token rows of a mixed step included.
+            return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                                  meta.context_lens, scale, window)  # fmt: skip
+        # Over int8 pools the decode kernel dequantizes as it reads, so chunks over cached blocks
+        # never widen the whole prefix.
+        if usable and is_int8(k_cache.dtype) and meta.max_seqlen_q <= KERNEL_PREFILL_MAX_ROWS:
             # Every new token as a one-token query over its sequence's cache up to
             # itself (written above): one compiled call for the whole step.
             tables, lens = _token_rows(meta)
@@ -117,9 +124,9 @@ class TorchAttentionBackend:
         return out.reshape(batch, kv_heads * group, head_dim)
 
 
-# Prompt chunks up to this many tokens attend through the compiled kernel, one
-# query row per token; longer ones keep SDPA, whose blocked GEMMs reuse each
-# key across many queries (measured: benchmarks/decode_kernels.py, docs/cpu.md).
+# Over an int8 pool, prompt chunks up to this many tokens attend through the compiled
+# decode kernel, one query row per token; longer ones keep SDPA, whose blocked GEMMs reuse
+# each key across many queries (measured: benchmarks/decode_kernels.py, docs/cpu.md).
 KERNEL_PREFILL_MAX_ROWS = 1024
 
 

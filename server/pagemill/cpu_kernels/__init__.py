@@ -39,8 +39,9 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
-            _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp"]
-_HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "int8_rows.h"]
+            _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp", _DIR / "prefill_attention.cpp"]
+_HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "int8_rows.h",
+            _DIR / "prefill_attention.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -113,6 +114,9 @@ class DecodeKernels:
         self.attention_int8 = lib.pagemill_paged_attention_int8  # paged_attention_int8.cpp
         self.attention_int8.restype = ctypes.c_int
         self.attention_int8.argtypes = [vp, ctypes.c_int] + self.attention.argtypes[1:]
+        self.prefill = lib.pagemill_prefill_attention  # prefill_attention.cpp
+        self.prefill.restype = ctypes.c_int
+        self.prefill.argtypes = [vp, ctypes.c_int, i64, vp, vp, vp, i64, vp, vp, vp] + [i64] * 5 + [f32, i64, ctypes.c_int]
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
@@ -136,6 +140,29 @@ class DecodeKernels:
             rc = (self.attention_bf16 if q.dtype == torch.bfloat16 else self.attention)(q.data_ptr(), *args)
         if rc != 0:
             raise ValueError(f"paged attention: {heads} heads is not a multiple of {kv_heads} kv heads")
+        return out
+
+
+    def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                          block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float,
+                          window: int | None = None) -> torch.Tensor:  # fmt: skip
+        """Prompt chunks (prefill_attention.h): q [T, heads, head_dim] float32 or bfloat16 (heads
+        contiguous), sequence b's new tokens rows cu_seqlens_q[b]..cu_seqlens_q[b+1]-1, attending
+        causally to the kv_lens[b] keys of its cache (the new ones last, written already);
+        caches [blocks, block_size, kv_heads, head_dim] of q's dtype, contiguous; block_tables
+        [B, W], cu_seqlens_q [B + 1], kv_lens [B] int32 contiguous -> [T, heads, head_dim] of q's
+        dtype (float32 arithmetic). window: as paged_attention."""
+        t, heads, d = q.shape
+        block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        out = torch.empty((t, heads, d), dtype=q.dtype)
+        rc = self.prefill(q.data_ptr(), int(q.dtype == torch.bfloat16), q.stride(0), k_cache.data_ptr(),
+                          v_cache.data_ptr(), block_tables.data_ptr(), block_tables.shape[1], cu_seqlens_q.data_ptr(),
+                          kv_lens.data_ptr(), out.data_ptr(), kv_lens.shape[0], heads, kv_heads, d, block_size, scale,
+                          window or 0, torch.get_num_threads())  # fmt: skip
+        if rc == 1:
+            raise ValueError(f"prefill attention: {heads} heads is not a multiple of {kv_heads} kv heads")
+        if rc != 0:
+            raise ValueError("prefill attention: a sequence has fewer keys than new tokens")
         return out
 
 
