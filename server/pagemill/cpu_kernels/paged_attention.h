@@ -411,6 +411,12 @@ inline void attend_group(const float* q, int64_t q_stride, int64_t group, const 
 // `window` keys (as transformers' sliding mask: key position > query position - window).
 inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 
+}  // namespace pagemill
+
+#include "paged_attention_spans.h"  // attend_batch's path for the shapes it takes (uses the helpers above)
+
+namespace pagemill {
+
 // Attention of B single-token queries against their paged caches, one task
 // per (sequence, kv head): q [B, nh, D] (token b's heads at q + b * q_stride),
 // out [B, nh, D] of T (float or bf16; arithmetic in float32), caches of C
@@ -431,6 +437,21 @@ int attend_batch(const T* q, int64_t q_stride, const C* k_cache, const C* v_cach
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += context_lens[b] > 0 ? context_lens[b] : 0;
   const bool parallel = work * nh * D >= kAttendParallelWork;
+#if defined(__AVX512F__)
+  if (spans_apply<C>(D, group)) {
+    switch (D / 16) {
+#define PAGEMILL_SPANS_NV(nv)                                                                                    \
+  case nv:                                                                                                       \
+    attend_batch_spans<nv>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, bs, \
+                           scale, window, threads, parallel);                                                    \
+    return 0;
+      PAGEMILL_SPANS_NV(2) PAGEMILL_SPANS_NV(4) PAGEMILL_SPANS_NV(5)
+      PAGEMILL_SPANS_NV(6) PAGEMILL_SPANS_NV(8) PAGEMILL_SPANS_NV(16)
+#undef PAGEMILL_SPANS_NV
+      default: break;
+    }
+  }
+#endif
 #pragma omp parallel num_threads(threads) if (parallel)
   {
     std::vector<float> scores, qf(group * D), of(group * D);
