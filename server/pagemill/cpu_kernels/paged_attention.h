@@ -1,6 +1,7 @@
 // Paged attention of one kv head's query group against one sequence's cache:
-// the inner loop of decode attention (decode.cpp), run once per (sequence,
-// kv head) of a step, i.e. 64 x 3 times per layer at 64 running sequences.
+// the inner loop of decode attention for the whole-layer kernel (decode.cpp)
+// and for attend_batch's shapes that paged_attention_spans.h does not take;
+// attend_batch (at the end) runs the batched steps.
 //
 // Why it is shaped this way (measured, docs/cpu.md): the plain loop spent
 // most of its time outside the multiplies: a horizontal sum per (token,
@@ -417,8 +418,10 @@ inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len
 
 namespace pagemill {
 
-// Attention of B single-token queries against their paged caches, one task
-// per (sequence, kv head): q [B, nh, D] (token b's heads at q + b * q_stride),
+// Attention of B single-token queries against their paged caches: for the
+// head sizes paged_attention_spans.h takes (AVX-512), one task per (sequence,
+// span of its keys) over all heads, else one per (sequence, kv head) through
+// attend_group. q [B, nh, D] (token b's heads at q + b * q_stride),
 // out [B, nh, D] of T (float or bf16; arithmetic in float32), caches of C
 // (T, fp8 or int8 rows); block_tables [B, width]; window > 0: each query sees
 // only its last `window` keys. Used by decode.cpp and paged_attention_int8.cpp.

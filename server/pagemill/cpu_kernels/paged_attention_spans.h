@@ -11,9 +11,9 @@
 // it (scattered over the pool: no hardware prefetcher finds them).
 // The softmax is the online one (running max and sum per head, the output
 // rescaled when the max rises), so a block's keys and values are used
-// together and a span can be any run of blocks: attend_batch splits long
+// together and a span can be any run of blocks: attend_batch_spans splits long
 // contexts over tasks when there are too few sequences to go round, and
-// merges the spans' partial results (merge_spans).
+// merges the spans' partial results.
 #pragma once
 
 namespace pagemill {
@@ -29,11 +29,13 @@ struct HeadState {
 };
 
 // Lines of the K and V blocks ahead to ask for, spread over the value rows of
-// a chunk (a burst of a block's ~200 prefetches stalled on the full miss
-// queue: measured, `perf annotate`).
-#ifndef PAGEMILL_HINT
-#define PAGEMILL_HINT _MM_HINT_T1
-#endif
+// a chunk, into L2. Measured (benchmarks/decode_attention.py, 64 x 192, one
+// thread): a burst of a block's ~200 prefetches at the block's start stalled
+// on the full miss queue (`perf annotate`: a quarter of the samples on the
+// prefetches), 0.72x the per-kv-head kernel; spread out, into L1, 0.9x
+// (the value loads still waited: two blocks ahead do not fit L1 beside the
+// block in use); into L2, one block ahead, 1.4x (two or four ahead: less;
+// _MM_HINT_T2 the same as T1).
 struct Ahead {
   const char* k;
   const char* v;
@@ -41,8 +43,8 @@ struct Ahead {
 
   inline void at(int64_t i, int64_t n) const {  // row i of n's share
     for (int64_t x = i * lines / n; x < (i + 1) * lines / n; ++x) {
-      _mm_prefetch(k + 64 * x, PAGEMILL_HINT);
-      _mm_prefetch(v + 64 * x, PAGEMILL_HINT);
+      _mm_prefetch(k + 64 * x, _MM_HINT_T1);
+      _mm_prefetch(v + 64 * x, _MM_HINT_T1);
     }
   }
 };
@@ -97,11 +99,8 @@ inline void prefetch_bytes(const C* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, (_mm_hint)kHint);
 }
 
-// How many blocks ahead of the one in use a span asks for.
-#ifndef PAGEMILL_AHEAD
-#define PAGEMILL_AHEAD 1
-#endif
-constexpr int64_t kBlocksAhead = PAGEMILL_AHEAD;
+// How many blocks ahead of the one in use a span asks for (Ahead).
+constexpr int64_t kBlocksAhead = 1;
 
 // The heads of one sequence over its keys [t0, t1) (t0 < t1), into st (which
 // holds the state of earlier keys, or m = -inf, l = 0, acc = 0). q: the
@@ -131,19 +130,18 @@ inline void attend_span(const QueryRow<C>* q, const PagedKV<C>& kv, int64_t grou
       const int64_t n = end - c0 < 16 ? end - c0 : 16;
       const __mmask16 valid = pagemill::first(n);
       const int64_t row0 = base + (c0 % bs) * stride;
-      __m512 chunk_sc = _mm512_set1_ps(scale);
-      __m512 vscale = _mm512_set1_ps(1.f);
-      if constexpr (kScaled<C>) {  // a key's scale on its score, a value's on its probabilities
-        alignas(64) float ks[16] = {}, vs[16] = {};
-        for (int64_t i = 0; i < n; ++i) {
-          ks[i] = row_scale(kv.k + row0 + i * stride, D);
-          vs[i] = row_scale(kv.v + row0 + i * stride, D);
-        }
-        chunk_sc = _mm512_mul_ps(chunk_sc, _mm512_load_ps(ks));
-        vscale = _mm512_load_ps(vs);
-      }
       for (int64_t j = 0; j < nkv; ++j) {
         const C* k0 = kv.k + row0 + j * P;
+        __m512 chunk_sc = _mm512_set1_ps(scale), vscale = _mm512_set1_ps(1.f);
+        if constexpr (kScaled<C>) {  // a key's scale on its score, a value's on its probabilities
+          alignas(64) float ks[16] = {}, vs[16] = {};
+          for (int64_t i = 0; i < n; ++i) {
+            ks[i] = row_scale(k0 + i * stride, D);
+            vs[i] = row_scale(kv.v + row0 + j * P + i * stride, D);
+          }
+          chunk_sc = _mm512_mul_ps(chunk_sc, _mm512_load_ps(ks));
+          vscale = _mm512_load_ps(vs);
+        }
         for (int64_t g = 0; g < group; ++g) {
           const int64_t h = j * group + g;
           __m512 acc[16];
@@ -171,8 +169,8 @@ inline void attend_span(const QueryRow<C>* q, const PagedKV<C>& kv, int64_t grou
   }
 }
 
-// The spans [first, len) of one sequence are cut into for `spans` tasks: whole blocks each, the last
-// shorter; returns the span count that is not empty (<= spans).
+// The blocks of each of `spans` spans of one sequence's keys [first, len)
+// (whole blocks each, from first's block; the last spans shorter or empty).
 inline int64_t span_blocks(int64_t first, int64_t len, int64_t bs, int64_t spans) {
   const int64_t blocks = (len - 1) / bs - first / bs + 1;
   return (blocks + spans - 1) / spans;
