@@ -6,16 +6,19 @@
 The default model's shape (9 query heads, 3 kv heads, head_dim 64, block size
 16), bf16 queries over a bf16 pool (and --dtypes float32,fp8_e4m3,int8), for
 the batches that matter: 64 x 192 tokens (the c=64 benchmark), 24 x 512 and
-batch 1 x 200. The pool is --pool-mib per cache, its blocks shuffled anew each
-repetition and for each kernel, so a step streams its KV from memory as a
-serving step does (30 layers' KV never fit the caches). One thread; per-step
-CPU time (time.process_time), median of --reps; the kernels (this tree's and,
-with --baseline, another build of the library: a .so path) run interleaved,
-in alternating order. GB/s: the KV bytes one step must read (K and V rows of all
-kv heads, scales included) over its median time, beside the machine's own
-streaming rate, a 1 GiB float32 sum in the same process, and beside "gather":
-torch.index_select copying the same number of scattered blocks of K and V
-(the reads alone, no arithmetic: the floor of this access pattern here).
+batch 1 x 200. The pool is --pool-mib per cache, in 2 MiB pages as the shard
+holds it (models/huge_pages.py; --no-huge-pages: 4 KiB), its blocks drawn
+anew each repetition and for each kernel (--layout scattered: at random over
+the pool; adjacent: one run of adjacent ids per sequence, the runs at random),
+so a step streams its KV from memory as a serving step does (30 layers' KV
+never fit the caches). Per-step CPU time (time.process_time) on one thread,
+wall time with --threads above 1; median of --reps; the kernels (this tree's
+and, with --baseline, other builds of the library: .so paths, comma separated)
+run interleaved, in alternating order. GB/s: the KV bytes one step must read
+(K and V rows of all kv heads, scales included) over its median time, beside
+the machine's own streaming rate, a 1 GiB float32 sum in the same process, and
+beside "gather": torch.index_select copying the same number of blocks of K
+and V (the reads alone, no arithmetic).
 """
 
 from __future__ import annotations
@@ -86,7 +89,7 @@ def main() -> None:
     ap.add_argument("--no-huge-pages", action="store_true", help="the pool in ordinary 4 KiB pages")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)
     clock = time.process_time if args.threads == 1 else time.perf_counter
     kernels = {"this": decode_kernels()}
     if kernels["this"] is None:
@@ -94,6 +97,7 @@ def main() -> None:
     for i, path in enumerate(args.baseline.split(",") if args.baseline else []):
         kernels["baseline" if i == 0 else f"other{i}"] = DecodeKernels(ctypes.CDLL(path))
     gbs = stream_gbs()
+    torch.set_num_threads(args.threads)
     rows = []
     for dtype in args.dtypes.split(","):
         qdtype = torch.float32 if dtype == "float32" else torch.bfloat16
