@@ -80,7 +80,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="64x192,24x512,1x200", help="batch x context, comma separated")
     ap.add_argument("--dtypes", default="bfloat16", help="cache dtypes: bfloat16,float32,fp8_e4m3,int8")
-    ap.add_argument("--baseline", default=None, help="other builds of the kernel library (.so, comma separated) to run beside")
+    ap.add_argument("--baseline", default=None,
+                    help="other builds of the kernel library (.so, comma separated) to run beside")
     ap.add_argument("--pool-mib", type=int, default=128)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="kernel threads; above 1 the time is wall time")

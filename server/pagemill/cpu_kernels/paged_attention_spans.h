@@ -159,7 +159,8 @@ inline void attend_span(const QueryRow<C>* q, const PagedKV<C>& kv, int64_t grou
         // This chunk's rows of the block ahead, a kv head's share of them.
         Ahead ahead{nullptr, nullptr, 0};
         if (ahead_base >= 0) {
-          const int64_t from = (ahead_base + (c0 % bs) * stride) * (int64_t)sizeof(C), lines = (n * stride * (int64_t)sizeof(C) + 63) / 64;
+          const int64_t from = (ahead_base + (c0 % bs) * stride) * (int64_t)sizeof(C);
+          const int64_t lines = (n * stride * (int64_t)sizeof(C) + 63) / 64;
           const int64_t l0 = j * lines / nkv, l1 = (j + 1) * lines / nkv;
           ahead = {(const char*)kv.k + from + 64 * l0, (const char*)kv.v + from + 64 * l0, l1 - l0};
         }
@@ -275,7 +276,10 @@ void attend_batch_spans(const T* q, int64_t q_stride, const C* k_cache, const C*
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < nh; ++h) {
       float m = -INFINITY, l = 0.f;
-      for (int64_t s = 0; s < spans; ++s) m = parts_data[(b * spans + s) * part + h] > m ? parts_data[(b * spans + s) * part + h] : m;
+      for (int64_t s = 0; s < spans; ++s) {
+        const float ms = parts_data[(b * spans + s) * part + h];
+        m = ms > m ? ms : m;
+      }
       for (int64_t x = 0; x < D; ++x) acc[x] = 0.f;
       if (m > -INFINITY) {
         for (int64_t s = 0; s < spans; ++s) {
