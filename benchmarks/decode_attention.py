@@ -12,7 +12,7 @@ anew each repetition and for each kernel (--layout scattered: at random over
 the pool; adjacent: one run of adjacent ids per sequence, the runs at random),
 so a step streams its KV from memory as a serving step does (30 layers' KV
 never fit the caches). Per-step CPU time (time.process_time) on one thread,
-wall time with --threads above 1; median of --reps; the kernels (this tree's
+wall time with --threads above 1 (--clock); median of --reps; the kernels (this tree's
 and, with --baseline, other builds of the library: .so paths, comma separated)
 run interleaved, in alternating order. GB/s: the KV bytes one step must read
 (K and V rows of all kv heads, scales included) over its median time, beside
@@ -84,14 +84,17 @@ def main() -> None:
                     help="other builds of the kernel library (.so, comma separated) to run beside")
     ap.add_argument("--pool-mib", type=int, default=128)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--threads", type=int, default=1, help="kernel threads; above 1 the time is wall time")
+    ap.add_argument("--threads", type=int, default=1, help="kernel threads")
+    ap.add_argument("--clock", default="auto", choices=["auto", "cpu", "wall"],
+                    help="CPU time of all threads or wall time; auto: CPU on one thread, else wall")
     ap.add_argument("--layout", default="scattered", choices=["scattered", "adjacent"],
                     help="each sequence's blocks at random, or in one run of adjacent ids")
     ap.add_argument("--no-huge-pages", action="store_true", help="the pool in ordinary 4 KiB pages")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
-    clock = time.process_time if args.threads == 1 else time.perf_counter
+    wall = args.clock == "wall" or (args.clock == "auto" and args.threads > 1)
+    clock = time.perf_counter if wall else time.process_time
     kernels = {"this": decode_kernels()}
     if kernels["this"] is None:
         raise SystemExit("no compiled CPU kernels here")
@@ -137,7 +140,7 @@ def main() -> None:
             rows.append(row)
     names = [*kernels, "gather"]
     print(f"streaming read (1 GiB float32 sum, 1 thread): {gbs:.1f} GB/s; {args.threads} kernel thread(s), "
-          f"{args.layout} blocks, {'4 KiB' if args.no_huge_pages else '2 MiB'} pages")
+          f"{args.layout} blocks, {'4 KiB' if args.no_huge_pages else '2 MiB'} pages, {'wall' if wall else 'CPU'} time")
     print("| cache | batch x context | KV MB | " + " | ".join(f"{n} ms | {n} GB/s" for n in names)
           + (" | speedup |" if args.baseline else " |"))  # fmt: skip
     print("|---|---|---:|" + "---:|---:|" * len(names) + ("---:|" if args.baseline else ""))

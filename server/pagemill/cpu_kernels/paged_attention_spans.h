@@ -195,6 +195,15 @@ inline bool spans_apply(int64_t D, int64_t group) {
   return nv == 2 || nv == 4 || nv == 5 || nv == 6 || nv == 8 || nv == 16;
 }
 
+// How many consecutive tasks a thread takes at a time: runs of them, so that a
+// task's prefetch of the next one's first block (attend_span's `next`) is
+// mostly right, and still about 8 grabs a thread to even out the threads (a
+// shared core stalls one now and then).
+inline int64_t tasks_per_grab(int64_t tasks, int threads) {
+  const int64_t n = tasks / (8 * (int64_t)(threads > 0 ? threads : 1));
+  return n > 1 ? n : 1;
+}
+
 // Task i's keys: sequence b, [t0, t1) (t0 >= t1: none), for `spans` spans per sequence.
 struct Span {
   int64_t b, t0, t1;
@@ -228,6 +237,7 @@ void attend_batch_spans(const T* q, int64_t q_stride, const C* k_cache, const C*
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) max_len = lens[b] > max_len ? lens[b] : max_len;
   const int64_t spans = spans_per_sequence(B, max_len, parallel ? threads : 1), tasks = B * spans;
+  const int64_t grab = tasks_per_grab(tasks, parallel ? threads : 1);
   // Each span's state when there are several: [task][heads] of (m, l, acc[D]).
   static thread_local std::vector<float> parts;
   const int64_t part = nh * (D + 2);
@@ -238,7 +248,7 @@ void attend_batch_spans(const T* q, int64_t q_stride, const C* k_cache, const C*
     std::vector<QueryRow<C>> qr(nh);
     std::vector<float> qf(nh * D), own(part);
     int64_t last = -2;  // the task this thread ran before
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, grab)
     for (int64_t i = 0; i < tasks; ++i) {
       const bool cold = i != last + 1;
       last = i;
