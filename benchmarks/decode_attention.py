@@ -6,16 +6,19 @@
 The default model's shape (9 query heads, 3 kv heads, head_dim 64, block size
 16), bf16 queries over a bf16 pool (and --dtypes float32,fp8_e4m3,int8), for
 the batches that matter: 64 x 192 tokens (the c=64 benchmark), 24 x 512 and
-batch 1 x 200. The pool is --pool-mib per cache, its blocks shuffled anew each
-repetition and for each kernel, so a step streams its KV from memory as a
-serving step does (30 layers' KV never fit the caches). One thread; per-step
-CPU time (time.process_time), median of --reps; the kernels (this tree's and,
-with --baseline, another build of the library: a .so path) run interleaved,
-in alternating order. GB/s: the KV bytes one step must read (K and V rows of all
-kv heads, scales included) over its median time, beside the machine's own
-streaming rate, a 1 GiB float32 sum in the same process, and beside "gather":
-torch.index_select copying the same number of scattered blocks of K and V
-(the reads alone, no arithmetic: the floor of this access pattern here).
+batch 1 x 200. The pool is --pool-mib per cache, in 2 MiB pages as the shard
+holds it (models/huge_pages.py; --no-huge-pages: 4 KiB), its blocks drawn
+anew each repetition and for each kernel (--layout scattered: at random over
+the pool; adjacent: one run of adjacent ids per sequence, the runs at random),
+so a step streams its KV from memory as a serving step does (30 layers' KV
+never fit the caches). Per-step CPU time (time.process_time) on one thread,
+wall time with --threads above 1 (--clock); median of --reps; the kernels (this tree's
+and, with --baseline, other builds of the library: .so paths, comma separated)
+run interleaved, in alternating order. GB/s: the KV bytes one step must read
+(K and V rows of all kv heads, scales included) over its median time, beside
+the machine's own streaming rate, a 1 GiB float32 sum in the same process, and
+beside "gather": torch.index_select copying the same number of blocks of K
+and V (the reads alone, no arithmetic).
 """
 
 from __future__ import annotations
@@ -31,18 +34,35 @@ import torch
 
 from pagemill.attention.kv_dtype import quantize, quantize_int8
 from pagemill.cpu_kernels import DecodeKernels, decode_kernels
+from pagemill.models.huge_pages import huge_zeros
 
 HEADS, KV_HEADS, D, BS = 9, 3, 64, 16
 
 
-def pool(dtype: str, num_blocks: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pool(dtype: str, num_blocks: int, seed: int, huge: bool) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     k, v = (torch.randn(num_blocks, BS, KV_HEADS, D, generator=g) for _ in range(2))
     if dtype == "int8":
-        return quantize_int8(k), quantize_int8(v)
-    if dtype.startswith("fp8"):
-        return quantize(k, torch.float8_e4m3fn), quantize(v, torch.float8_e4m3fn)
-    return k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))
+        k, v = quantize_int8(k), quantize_int8(v)
+    elif dtype.startswith("fp8"):
+        k, v = quantize(k, torch.float8_e4m3fn), quantize(v, torch.float8_e4m3fn)
+    else:
+        k, v = k.to(getattr(torch, dtype)), v.to(getattr(torch, dtype))
+    if not huge:
+        return k, v
+    # As the shard holds its pool (models/huge_pages.py): 2 MiB pages.
+    return tuple(huge_zeros(tuple(x.shape), x.dtype).copy_(x) for x in (k, v))
+
+
+def block_ids(rng: random.Random, ids: list[int], batch: int, width: int, layout: str) -> torch.Tensor:
+    """Each sequence's block table: blocks drawn at random over the pool ("scattered"), or a
+    run of adjacent ids per sequence, the runs at random places ("adjacent")."""
+    rng.shuffle(ids)
+    if layout == "scattered":
+        return torch.tensor(ids[: batch * width], dtype=torch.int32).view(batch, width)
+    runs = len(ids) // width  # the pool cut into runs of `width` blocks, `batch` of them drawn
+    starts = rng.sample(range(runs), batch)
+    return torch.tensor([[s * width + i for i in range(width)] for s in starts], dtype=torch.int32)
 
 
 def stream_gbs(reps: int = 5) -> float:
@@ -60,25 +80,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cases", default="64x192,24x512,1x200", help="batch x context, comma separated")
     ap.add_argument("--dtypes", default="bfloat16", help="cache dtypes: bfloat16,float32,fp8_e4m3,int8")
-    ap.add_argument("--baseline", default=None, help="another build of the kernel library (.so) to run beside")
+    ap.add_argument("--baseline", default=None,
+                    help="other builds of the kernel library (.so, comma separated) to run beside")
     ap.add_argument("--pool-mib", type=int, default=128)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--threads", type=int, default=1, help="kernel threads")
+    ap.add_argument("--clock", default="auto", choices=["auto", "cpu", "wall"],
+                    help="CPU time of all threads or wall time; auto: CPU on one thread, else wall")
+    ap.add_argument("--layout", default="scattered", choices=["scattered", "adjacent"],
+                    help="each sequence's blocks at random, or in one run of adjacent ids")
+    ap.add_argument("--no-huge-pages", action="store_true", help="the pool in ordinary 4 KiB pages")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
+    wall = args.clock == "wall" or (args.clock == "auto" and args.threads > 1)
+    clock = time.perf_counter if wall else time.process_time
     kernels = {"this": decode_kernels()}
     if kernels["this"] is None:
         raise SystemExit("no compiled CPU kernels here")
-    if args.baseline:
-        kernels["baseline"] = DecodeKernels(ctypes.CDLL(args.baseline))
+    for i, path in enumerate(args.baseline.split(",") if args.baseline else []):
+        kernels["baseline" if i == 0 else f"other{i}"] = DecodeKernels(ctypes.CDLL(path))
     gbs = stream_gbs()
+    torch.set_num_threads(args.threads)
     rows = []
     for dtype in args.dtypes.split(","):
         qdtype = torch.float32 if dtype == "float32" else torch.bfloat16
         row_bytes = D * (1 if dtype in ("int8", "fp8_e4m3") else torch.finfo(getattr(torch, dtype)).bits // 8)
         row_bytes += 4 if dtype == "int8" else 0
         num_blocks = args.pool_mib * 2**20 // (BS * KV_HEADS * row_bytes)
-        k, v = pool(dtype, num_blocks, 0)
+        k, v = pool(dtype, num_blocks, 0, not args.no_huge_pages)
         for case in args.cases.split(","):
             batch, ctx = map(int, case.split("x"))
             width = -(-ctx // BS)
@@ -91,18 +121,16 @@ def main() -> None:
                 # Each kernel its own blocks (the step before left its blocks in the caches), in
                 # alternating order.
                 for i, (name, kern) in enumerate(list(kernels.items())[:: 1 if rep % 2 else -1]):
-                    random.Random(rep * 16 + i).shuffle(ids)
-                    tables = torch.tensor(ids[: batch * width], dtype=torch.int32).view(batch, width)
-                    t = time.process_time()
+                    tables = block_ids(random.Random(rep * 16 + i), ids, batch, width, args.layout)
+                    t = clock()
                     kern.paged_attention(q, k, v, tables, lens, D**-0.5)
-                    times[name].append(time.process_time() - t)
+                    times[name].append(clock() - t)
                 # The same reads without the arithmetic: torch copying the step's K and V blocks out.
-                random.Random(rep * 16 + 15).shuffle(ids)
-                blocks = torch.tensor(ids[: batch * width])
-                t = time.process_time()
+                blocks = block_ids(random.Random(rep * 16 + 15), ids, batch, width, args.layout).view(-1).long()
+                t = clock()
                 torch.index_select(k, 0, blocks, out=copy[: len(blocks)])
                 torch.index_select(v, 0, blocks, out=copy[: len(blocks)])
-                times["gather"].append(time.process_time() - t)
+                times["gather"].append(clock() - t)
             kv_bytes = 2 * batch * ctx * KV_HEADS * row_bytes
             row = {"dtype": dtype, "batch": batch, "context": ctx, "kv_mb": kv_bytes / 1e6}
             for name in times:
@@ -111,7 +139,8 @@ def main() -> None:
                 row[f"{name}_gbs"] = kv_bytes / ms / 1e6
             rows.append(row)
     names = [*kernels, "gather"]
-    print(f"streaming read (1 GiB float32 sum, 1 thread): {gbs:.1f} GB/s")
+    print(f"streaming read (1 GiB float32 sum, 1 thread): {gbs:.1f} GB/s; {args.threads} kernel thread(s), "
+          f"{args.layout} blocks, {'4 KiB' if args.no_huge_pages else '2 MiB'} pages, {'wall' if wall else 'CPU'} time")
     print("| cache | batch x context | KV MB | " + " | ".join(f"{n} ms | {n} GB/s" for n in names)
           + (" | speedup |" if args.baseline else " |"))  # fmt: skip
     print("|---|---|---:|" + "---:|---:|" * len(names) + ("---:|" if args.baseline else ""))

@@ -71,10 +71,11 @@ def test_bf16_matvec_matches_float32_linear(library, mul, rows, n, k):
                                atol=1e-3 * ref.abs().max().item())  # fmt: skip
 
 
-# Shapes of the vectorised path (paged_attention.h: 16-token score chunks, value
-# passes of up to 6/4/2/1 heads by head_dim split evenly, e.g. group 7 at head_dim 64 as
-# 3 + 4, bf16 values widened as even/odd halves where head_dim is a multiple of 32,
-# 300 tokens over many scattered blocks) and of its fallbacks.
+# Shapes of the vectorised path (paged_attention_spans.h: chunks of <= 16 tokens of a
+# block, so block sizes 4/5/8 too, value passes of up to 6/4/2/1 heads by head_dim split
+# evenly, e.g. group 7 at head_dim 64 as 3 + 4, bf16 values widened as even/odd halves
+# where head_dim is a multiple of 32, 300 tokens over many scattered blocks) and of its
+# fallbacks (head_dim 16, 40: paged_attention.h's per-kv-head loop).
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size",
                          [(4, 2, 16, 4), (9, 3, 64, 16), (6, 1, 40, 5), (14, 2, 128, 16), (8, 8, 96, 16),
                           (5, 1, 256, 8), (4, 1, 80, 16), (2, 2, 64, 16), (8, 4, 64, 16), (7, 1, 64, 16),

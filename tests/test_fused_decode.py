@@ -15,6 +15,7 @@ import torch
 from test_model import PagedHarness, assert_close, hf_logits, prompts
 
 from pagemill.attention.metadata import make_metadata
+from pagemill.attention.kv_dtype import quantize_int8, widen
 from pagemill.attention.torch_backend import TorchAttentionBackend
 from pagemill.cpu_kernels import decode_kernels
 from pagemill.models.fused_decode import FUSED_MAX_BATCH
@@ -143,3 +144,52 @@ def test_batched_decode_with_paged_kernel_matches_transformers(llama_dir):
     ref = {sid: hf_logits(hf, tokens) for sid, tokens in seqs.items()}
     for sid, pos, lg in seen:
         assert_close(lg, ref[sid][pos], f"batched kernel decode seq {sid} position {pos}")
+
+
+def paged_reference(q, k_cache, v_cache, tables, lens, scale, window):
+    """softmax(scale * q K^T) V per sequence in float64, over its last `window` keys (0: all)."""
+    bs, kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, n in enumerate(lens):
+        ids = torch.tensor(tables[b])
+        keys, values = (widen(c[ids].reshape(-1, kv_heads, c.shape[-1])[:n], torch.float64) for c in (k_cache, v_cache))
+        first = n - window if 0 < window < n else 0
+        group = q.shape[1] // kv_heads
+        keys, values = (x[first:].repeat_interleave(group, dim=1) for x in (keys, values))
+        p = torch.softmax(torch.einsum("hd,thd->ht", q[b].double(), keys) * scale, dim=-1)
+        out[b] = torch.einsum("ht,thd->hd", p, values)
+    assert bs > 0
+    return out
+
+
+# A few long sequences on two threads: attend_batch cuts each context into
+# spans (paged_attention_spans.h: fewer than 4 sequences a thread, >= 64
+# tokens a span) run as separate tasks and merged; windows cut the first span
+# mid-block. The work is above kAttendParallelWork, so the threads do run.
+# Caches: float32, bf16 (bf16 queries), fp8 and int8 rows with their scales.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn, torch.int8])
+@pytest.mark.parametrize("window", [0, 100, 777])
+@pytest.mark.parametrize("lens", [[1900], [1800, 1, 333], [2000, 64, 65, 130]])
+def test_paged_attention_split_contexts_match_reference(dtype, window, lens):
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
+    g = torch.Generator().manual_seed(sum(lens) + window)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 1
+    k_cache, v_cache = (torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g) for _ in "kv")
+    k_cache, v_cache = ((quantize_int8(c) if dtype == torch.int8 else c.to(dtype)) for c in (k_cache, v_cache))
+    perm = (torch.randperm(num_blocks - 1, generator=g) + 1).tolist()
+    tables = [[perm.pop() for _ in range(-(-n // block_size))] for n in lens]
+    width = max(len(t) for t in tables)
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(torch.bfloat16 if dtype == torch.bfloat16 else
+                                                                 torch.float32)  # fmt: skip
+    scale = head_dim**-0.5
+    ref = paged_reference(q, k_cache, v_cache, tables, lens, scale, window)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        out = kernels.paged_attention(q, k_cache, v_cache, padded, torch.tensor(lens, dtype=torch.int32), scale,
+                                      window)  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)

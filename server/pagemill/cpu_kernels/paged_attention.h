@@ -1,6 +1,7 @@
 // Paged attention of one kv head's query group against one sequence's cache:
-// the inner loop of decode attention (decode.cpp), run once per (sequence,
-// kv head) of a step, i.e. 64 x 3 times per layer at 64 running sequences.
+// the inner loop of decode attention for the whole-layer kernel (decode.cpp)
+// and for attend_batch's shapes that paged_attention_spans.h does not take;
+// attend_batch (at the end) runs the batched steps.
 //
 // Why it is shaped this way (measured, docs/cpu.md): the plain loop spent
 // most of its time outside the multiplies: a horizontal sum per (token,
@@ -411,8 +412,16 @@ inline void attend_group(const float* q, int64_t q_stride, int64_t group, const 
 // `window` keys (as transformers' sliding mask: key position > query position - window).
 inline int64_t first_key(int64_t len, int64_t window) { return window > 0 && len > window ? len - window : 0; }
 
-// Attention of B single-token queries against their paged caches, one task
-// per (sequence, kv head): q [B, nh, D] (token b's heads at q + b * q_stride),
+}  // namespace pagemill
+
+#include "paged_attention_spans.h"  // attend_batch's path for the shapes it takes (uses the helpers above)
+
+namespace pagemill {
+
+// Attention of B single-token queries against their paged caches: for the
+// head sizes paged_attention_spans.h takes (AVX-512), one task per (sequence,
+// span of its keys) over all heads, else one per (sequence, kv head) through
+// attend_group. q [B, nh, D] (token b's heads at q + b * q_stride),
 // out [B, nh, D] of T (float or bf16; arithmetic in float32), caches of C
 // (T, fp8 or int8 rows); block_tables [B, width]; window > 0: each query sees
 // only its last `window` keys. Used by decode.cpp and paged_attention_int8.cpp.
@@ -431,6 +440,21 @@ int attend_batch(const T* q, int64_t q_stride, const C* k_cache, const C* v_cach
   int64_t work = 0;
   for (int64_t b = 0; b < B; ++b) work += context_lens[b] > 0 ? context_lens[b] : 0;
   const bool parallel = work * nh * D >= kAttendParallelWork;
+#if defined(__AVX512F__)
+  if (spans_apply<C>(D, group)) {
+    switch (D / 16) {
+#define PAGEMILL_SPANS_NV(nv)                                                                                    \
+  case nv:                                                                                                       \
+    attend_batch_spans<nv>(q, q_stride, k_cache, v_cache, block_tables, width, context_lens, out, B, nh, nkv, bs, \
+                           scale, window, threads, parallel);                                                    \
+    return 0;
+      PAGEMILL_SPANS_NV(2) PAGEMILL_SPANS_NV(4) PAGEMILL_SPANS_NV(5)
+      PAGEMILL_SPANS_NV(6) PAGEMILL_SPANS_NV(8) PAGEMILL_SPANS_NV(16)
+#undef PAGEMILL_SPANS_NV
+      default: break;
+    }
+  }
+#endif
 #pragma omp parallel num_threads(threads) if (parallel)
   {
     std::vector<float> scores, qf(group * D), of(group * D);

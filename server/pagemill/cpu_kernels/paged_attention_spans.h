@@ -1,0 +1,310 @@
+// Decode attention of one sequence's span of keys for ALL its query heads,
+// block by block in one pass (attend_batch's AVX-512 path; included by
+// paged_attention.h, whose helpers it uses).
+//
+// Why (measured, docs/cpu.md): at 64 running sequences the kernel waited on
+// memory. The pool is [blocks, block_size, kv_heads, head_dim], so a task per
+// (sequence, kv head) read 1 of every kv_heads rows of each block, and the
+// kv_heads tasks of a sequence read the same blocks at different times. Here a
+// task reads each block's K and V once, front to back (6 KB each at the
+// default model's shape), for every kv head, and asks for the blocks ahead of
+// it (scattered over the pool: no hardware prefetcher finds them).
+// The softmax is the online one (running max and sum per head, the output
+// rescaled when the max rises), so a block's keys and values are used
+// together and a span can be any run of blocks: attend_batch_spans splits long
+// contexts over tasks when there are too few sequences to go round, and
+// merges the spans' partial results.
+#pragma once
+
+namespace pagemill {
+
+#if defined(__AVX512F__)
+
+// Where a head's online softmax stands: running max, sum of e^(s - max), and
+// the unnormalised output (for bf16 caches in widen_values' order).
+struct HeadState {
+  float* m;
+  float* l;
+  float* acc;  // [heads][D]
+};
+
+// Lines of the K and V blocks ahead to ask for, spread over the value rows of
+// a chunk, into L2. Measured (benchmarks/decode_attention.py, 64 x 192, one
+// thread): a burst of a block's ~200 prefetches at the block's start stalled
+// on the full miss queue (`perf annotate`: a quarter of the samples on the
+// prefetches), 0.72x the per-kv-head kernel; spread out, into L1, 0.9x
+// (the value loads still waited: two blocks ahead do not fit L1 beside the
+// block in use); into L2, one block ahead, 1.4x (two or four ahead: less;
+// _MM_HINT_T2 the same as T1).
+struct Ahead {
+  const char* k;
+  const char* v;
+  int64_t lines;  // from k and from v
+
+  inline void at(int64_t i, int64_t n) const {  // row i of n's share
+    for (int64_t x = i * lines / n; x < (i + 1) * lines / n; ++x) {
+      _mm_prefetch(k + 64 * x, _MM_HINT_T1);
+      _mm_prefetch(v + 64 * x, _MM_HINT_T1);
+    }
+  }
+};
+
+// acc[g] = acc[g] * alpha[g] + sum_i p[g][i] v_i over the n rows of a chunk, heads g < G.
+template <int NV, int G, typename C>
+inline void chunk_values(const float* p, int64_t n, const C* v0, int64_t stride, const float* alpha, float* acc,
+                         const Ahead& ahead) {
+  __m512 o[G][NV];
+  for (int g = 0; g < G; ++g) {
+    const __m512 a = _mm512_set1_ps(alpha[g]);
+    for (int c = 0; c < NV; ++c) o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g * NV + c) * 16), a);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    ahead.at(i, n);
+    __m512 vf[NV];
+    widen_values<NV>(v0 + i * stride, vf);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pg = _mm512_set1_ps(p[g * 16 + i]);
+      for (int c = 0; c < NV; ++c) o[g][c] = _mm512_fmadd_ps(pg, vf[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (g * NV + c) * 16, o[g][c]);
+}
+
+// chunk_values for `group` heads in the even passes of value_passes().
+template <int NV, typename C>
+inline void chunk_values_group(const float* p, int64_t group, int64_t n, const C* v0, int64_t stride,
+                               const float* alpha, float* acc, const Ahead& ahead) {
+  const int64_t passes = value_passes(group, kMaxG<NV>);
+  for (int64_t i = 0, g = 0; i < passes; ++i) {
+    const int64_t G = (group - g) / (passes - i);
+    const float* pg = p + g * 16;
+    float* ag = acc + g * 16 * NV;
+    switch (G) {  // G <= kMaxG<NV>
+#define PAGEMILL_CHUNK_G(k) \
+  case k:                   \
+    if constexpr (kMaxG<NV> >= k) chunk_values<NV, k>(pg, n, v0, stride, alpha + g, ag, i ? Ahead{} : ahead); \
+    break;
+      PAGEMILL_CHUNK_G(1) PAGEMILL_CHUNK_G(2) PAGEMILL_CHUNK_G(3)
+      PAGEMILL_CHUNK_G(4) PAGEMILL_CHUNK_G(5) PAGEMILL_CHUNK_G(6)
+#undef PAGEMILL_CHUNK_G
+      default: break;
+    }
+    g += G;
+  }
+}
+
+template <typename C, int kHint = _MM_HINT_T0>
+inline void prefetch_bytes(const C* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, (_mm_hint)kHint);
+}
+
+// How many blocks ahead of the one in use a span asks for (Ahead).
+constexpr int64_t kBlocksAhead = 1;
+
+// The heads of one sequence over its keys [t0, t1) (t0 < t1), into st (which
+// holds the state of earlier keys, or m = -inf, l = 0, acc = 0). q: the
+// sequence's heads as QueryRows; cold: no span before it on this thread (so its
+// first block was not asked for); next: the first block of the span this
+// thread takes next, presumably (prefetched as this one ends), or null.
+template <int NV, typename C>
+inline void attend_span(const QueryRow<C>* q, const PagedKV<C>& kv, int64_t group, int64_t t0, int64_t t1,
+                        float scale, bool cold, const int32_t* next, HeadState st) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t bs = kv.block_size, nkv = kv.kv_heads, P = kv.pitch(), stride = nkv * P;
+  const int64_t b0 = t0 / bs, b1 = (t1 - 1) / bs + 1;
+  alignas(64) float p[64 * 16], alpha[64];
+  if (cold) {  // no span before this one on this thread asked for its first block
+    const int64_t rows = (int64_t)kv.block_table[b0] * bs * stride, bytes = bs * stride * (int64_t)sizeof(C);
+    prefetch_bytes(kv.k + rows, bytes);
+    prefetch_bytes(kv.v + rows, bytes);
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    // The block kBlocksAhead on (the next span's first after the last), asked for along the way.
+    const int32_t* id = b + kBlocksAhead < b1 ? kv.block_table + b + kBlocksAhead
+                                              : (b + kBlocksAhead == b1 ? next : nullptr);
+    const int64_t ahead_base = id ? (int64_t)*id * bs * stride : -1;
+    const int64_t base = (int64_t)kv.block_table[b] * bs * stride;
+    const int64_t first = b * bs > t0 ? b * bs : t0, end = (b + 1) * bs < t1 ? (b + 1) * bs : t1;
+    for (int64_t c0 = first; c0 < end; c0 += 16) {  // chunks of <= 16 tokens of this block
+      const int64_t n = end - c0 < 16 ? end - c0 : 16;
+      const __mmask16 valid = pagemill::first(n);
+      const int64_t row0 = base + (c0 % bs) * stride;
+      for (int64_t j = 0; j < nkv; ++j) {
+        const C* k0 = kv.k + row0 + j * P;
+        __m512 chunk_sc = _mm512_set1_ps(scale), vscale = _mm512_set1_ps(1.f);
+        if constexpr (kScaled<C>) {  // a key's scale on its score, a value's on its probabilities
+          alignas(64) float ks[16] = {}, vs[16] = {};
+          for (int64_t i = 0; i < n; ++i) {
+            ks[i] = row_scale(k0 + i * stride, D);
+            vs[i] = row_scale(kv.v + row0 + j * P + i * stride, D);
+          }
+          chunk_sc = _mm512_mul_ps(chunk_sc, _mm512_load_ps(ks));
+          vscale = _mm512_load_ps(vs);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t h = j * group + g;
+          __m512 acc[16];
+          for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+          for (int64_t i = 0; i < n; ++i) acc[i] = qk_partial(q[h], k0 + i * stride, D, acc[i]);
+          const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
+                                                _mm512_mul_ps(transpose_sum16(acc), chunk_sc));
+          const float m = st.m[h] > _mm512_reduce_max_ps(s) ? st.m[h] : _mm512_reduce_max_ps(s);
+          const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m))));
+          alpha[g] = expf(st.m[h] - m);  // 0 on the first chunk (m was -inf)
+          st.l[h] = st.l[h] * alpha[g] + _mm512_reduce_add_ps(e);
+          st.m[h] = m;
+          _mm512_store_ps(p + g * 16, kScaled<C> ? _mm512_mul_ps(e, vscale) : e);
+        }
+        // This chunk's rows of the block ahead, a kv head's share of them.
+        Ahead ahead{nullptr, nullptr, 0};
+        if (ahead_base >= 0) {
+          const int64_t from = (ahead_base + (c0 % bs) * stride) * (int64_t)sizeof(C);
+          const int64_t lines = (n * stride * (int64_t)sizeof(C) + 63) / 64;
+          const int64_t l0 = j * lines / nkv, l1 = (j + 1) * lines / nkv;
+          ahead = {(const char*)kv.k + from + 64 * l0, (const char*)kv.v + from + 64 * l0, l1 - l0};
+        }
+        chunk_values_group<NV>(p, group, n, kv.v + row0 + j * P, stride, alpha, st.acc + j * group * D, ahead);
+      }
+    }
+  }
+}
+
+// The blocks of each of `spans` spans of one sequence's keys [first, len)
+// (whole blocks each, from first's block; the last spans shorter or empty).
+inline int64_t span_blocks(int64_t first, int64_t len, int64_t bs, int64_t spans) {
+  const int64_t blocks = (len - 1) / bs - first / bs + 1;
+  return (blocks + spans - 1) / spans;
+}
+
+// How many spans each sequence's keys are cut into: 1 while the sequences
+// alone give every thread a few tasks; else enough that they do, no span
+// shorter than kMinSpanTokens (a span's merge and its prefetch ramp cost more).
+constexpr int64_t kMinSpanTokens = 64;
+inline int64_t spans_per_sequence(int64_t B, int64_t max_len, int threads) {
+  if (threads <= 1 || B >= 4 * (int64_t)threads) return 1;
+  const int64_t want = (4 * threads + B - 1) / B, most = max_len / kMinSpanTokens;
+  return want < most ? want : (most > 1 ? most : 1);
+}
+
+// Whether attend_batch_spans takes this shape (else the per-kv-head path).
+template <typename C>
+inline bool spans_apply(int64_t D, int64_t group) {
+  const int64_t nv = D / 16;
+  if (D % 16 != 0 || group > 64 || (QueryRow<C>::kDp && D % 32 != 0)) return false;
+  return nv == 2 || nv == 4 || nv == 5 || nv == 6 || nv == 8 || nv == 16;
+}
+
+// How many consecutive tasks a thread takes at a time: runs of them, so that a
+// task's prefetch of the next one's first block (attend_span's `next`) is
+// mostly right, and still about 8 grabs a thread to even out the threads (a
+// shared core stalls one now and then).
+inline int64_t tasks_per_grab(int64_t tasks, int threads) {
+  const int64_t n = tasks / (8 * (int64_t)(threads > 0 ? threads : 1));
+  return n > 1 ? n : 1;
+}
+
+// Task i's keys: sequence b, [t0, t1) (t0 >= t1: none), for `spans` spans per sequence.
+struct Span {
+  int64_t b, t0, t1;
+};
+inline Span span_of(int64_t i, int64_t spans, const int32_t* lens, int64_t bs, int64_t window) {
+  const int64_t b = i / spans, s = i % spans, len = lens[b];
+  if (len <= 0) return {b, 0, 0};
+  const int64_t first = first_key(len, window), per = span_blocks(first, len, bs, spans) * bs;
+  const int64_t lo = (first / bs) * bs + s * per, hi = lo + per;
+  return {b, lo > first ? lo : first, hi < len ? hi : len};
+}
+
+// out[h] = acc[h] / l[h] in the cache order's inverse, narrowed to T.
+template <int NV, typename C, typename T>
+inline void finish_head(const float* acc, float l, T* out) {
+  alignas(64) float o[16 * NV];
+  __m512 r[NV];
+  for (int c = 0; c < NV; ++c) r[c] = _mm512_loadu_ps(acc + 16 * c);
+  store_values<NV, C>(r, _mm512_set1_ps(l > 0.f ? 1.f / l : 0.f), o);
+  for (int64_t d = 0; d < 16 * NV; ++d) out[d] = from_float<T>(o[d]);
+}
+
+// attend_batch (paged_attention.h) by spans of all heads: one task per
+// (sequence, span), the spans merged when a sequence has more than one.
+template <int NV, typename T, typename C>
+void attend_batch_spans(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int32_t* block_tables,
+                        int64_t width, const int32_t* lens, T* out, int64_t B, int64_t nh, int64_t nkv, int64_t bs,
+                        float scale, int64_t window, int threads, bool parallel) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t group = nh / nkv;
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = lens[b] > max_len ? lens[b] : max_len;
+  const int64_t spans = spans_per_sequence(B, max_len, parallel ? threads : 1), tasks = B * spans;
+  const int64_t grab = tasks_per_grab(tasks, parallel ? threads : 1);
+  // Each span's state when there are several: [task][heads] of (m, l, acc[D]).
+  static thread_local std::vector<float> parts;
+  const int64_t part = nh * (D + 2);
+  if (spans > 1) parts.resize(tasks * part);
+  float* const parts_data = parts.data();
+#pragma omp parallel num_threads(threads) if (parallel)
+  {
+    std::vector<QueryRow<C>> qr(nh);
+    std::vector<float> qf(nh * D), own(part);
+    int64_t last = -2;  // the task this thread ran before
+#pragma omp for schedule(dynamic, grab)
+    for (int64_t i = 0; i < tasks; ++i) {
+      const bool cold = i != last + 1;
+      last = i;
+      const Span sp = span_of(i, spans, lens, bs, window);
+      float* st = spans > 1 ? parts_data + i * part : own.data();
+      const HeadState hs{st, st + nh, st + 2 * nh};
+      for (int64_t h = 0; h < nh; ++h) hs.m[h] = -INFINITY, hs.l[h] = 0.f;
+      memset(hs.acc, 0, nh * D * sizeof(float));
+      if (sp.t0 < sp.t1) {
+        const T* qb = q + sp.b * q_stride;
+        for (int64_t x = 0; x < nh * D; ++x) qf[x] = to_float(qb[x]);
+        for (int64_t h = 0; h < nh; ++h) {
+          if constexpr (QueryRow<C>::kDp) {
+#if defined(__AVX512BF16__)
+            const float* qh = qf.data() + h * D;
+            for (int64_t c = 0; c < D / 32; ++c)
+              qr[h].q[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qh + 32 * c + 16), _mm512_loadu_ps(qh + 32 * c));
+#endif
+          } else {
+            qr[h].q = qf.data() + h * D;
+          }
+        }
+        const Span nx = i + 1 < tasks ? span_of(i + 1, spans, lens, bs, window) : Span{0, 0, 0};
+        const int32_t* next = nx.t0 < nx.t1 ? block_tables + nx.b * width + nx.t0 / bs : nullptr;
+        const PagedKV<C> kv{k_cache, v_cache, block_tables + sp.b * width, bs, nkv, D};
+        attend_span<NV>(qr.data(), kv, group, sp.t0, sp.t1, scale, cold, next, hs);
+      }
+      if (spans == 1)
+        for (int64_t h = 0; h < nh; ++h) finish_head<NV, C>(hs.acc + h * D, hs.l[h], out + (sp.b * nh + h) * D);
+    }
+  }
+  if (spans == 1) return;
+  // Merge each sequence's spans: rescale each to the largest max, add.
+  std::vector<float> acc(D);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < nh; ++h) {
+      float m = -INFINITY, l = 0.f;
+      for (int64_t s = 0; s < spans; ++s) {
+        const float ms = parts_data[(b * spans + s) * part + h];
+        m = ms > m ? ms : m;
+      }
+      for (int64_t x = 0; x < D; ++x) acc[x] = 0.f;
+      if (m > -INFINITY) {
+        for (int64_t s = 0; s < spans; ++s) {
+          const float* st = parts_data + (b * spans + s) * part;
+          if (st[nh + h] == 0.f) continue;
+          const float w = expf(st[h] - m);
+          l += st[nh + h] * w;
+          for (int64_t x = 0; x < D; ++x) acc[x] += st[2 * nh + h * D + x] * w;
+        }
+      }
+      finish_head<NV, C>(acc.data(), l, out + (b * nh + h) * D);
+    }
+  }
+}
+
+#endif  // __AVX512F__
+
+}  // namespace pagemill
