@@ -86,3 +86,4 @@ fn pipelinable(st: &State, inflight: &StepPlan) -> bool {
         // Every running sequence decodes in the step in flight (none waits for a prompt chunk).
         && st.running.iter().all(|s| inflight.planned.iter().any(|p| p.id == s.id))
 }
+

@@ -67,4 +67,6 @@ pub struct SchedulerConfig {
     /// The model's window when every layer slides (0: some layer is global):
     /// blocks wholly behind it go back to the pool while a sequence runs.
     pub sliding_window: u32,
+    /// Send the next decode step before the reply of the one in flight (ahead.rs).
+    pub schedule_ahead: bool,
 }
