@@ -205,8 +205,10 @@ def test_greedy_generation_matches_transformers(shard, router):
 
 def test_a_step_sent_before_the_last_reply_runs_after_it(shard, router):
     """The router may send step N+1 before step N's reply (router/src/scheduler/ahead.rs): each
-    decode names the token step N samples, which only the shard knows yet. The shard must run
-    the two in arrival order, and the tokens must be transformers' as with one step at a time."""
+    decode names the token step N samples, which only the shard knows yet, and N+1 names N as its
+    after_step_id. The two calls may reach the service in either order: here N+1 always comes
+    first. The shard must run N first, and the tokens must be transformers' as with one step at
+    a time."""
     client, hf, *_ = shard
     call = client.stubs["Step"]
     g = torch.Generator().manual_seed(5)
@@ -215,12 +217,13 @@ def test_a_step_sent_before_the_last_reply_runs_after_it(shard, router):
     for rid, prompt in prompts.items():
         router.add(rid, prompt, max_new, ignore_eos=True)
     router.step()  # the prompts and their first tokens
-    sent = client.Step
+    sent, step_id, ahead = client.Step, 1000, 0
     try:
         while router.requests:
             a = router.plan()
-            pending_a = call.future(a, timeout=60)
-            b = pb.StepRequest()
+            step_id += 2
+            a.step_id = step_id
+            b = pb.StepRequest(step_id=step_id + 1, after_step_id=step_id)
             for e in a.requests:
                 t = router.requests[e.id]
                 if len(router.outputs[e.id].ids) + 1 >= max_new:
@@ -229,6 +232,11 @@ def test_a_step_sent_before_the_last_reply_runs_after_it(shard, router):
                 router.blocks.grow(t.table, e.num_computed + 2)
                 b.requests.add(id=e.id, num_computed=e.num_computed + 1, num_tokens=1, new_block_ids=t.table[have:])
             pending_b = call.future(b, timeout=60) if b.requests else None
+            if pending_b is not None:
+                time.sleep(0.05)  # b reaches the shard first and must wait for a
+                assert not pending_b.done()
+                ahead += 1
+            pending_a = call.future(a, timeout=60)
             router._step = lambda _req: pending_a.result()
             router.send(a)
             if pending_b is not None:
@@ -237,6 +245,7 @@ def test_a_step_sent_before_the_last_reply_runs_after_it(shard, router):
                 assert all(not gen.error and len(gen.tokens.ids) == 1 for gen in resp.generations)
     finally:
         router._step = sent
+    assert ahead >= 4
     for rid, prompt in prompts.items():
         assert router.outputs[rid].ids == hf_greedy(hf, prompt, max_new), f"request {rid}"
 

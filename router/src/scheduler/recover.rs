@@ -72,8 +72,13 @@ async fn watched(
 impl Scheduler {
     /// The step to every shard of the group, watched (see `watched`); the
     /// future owns its clients, so the loop can hold two at once (ahead.rs).
-    pub(super) fn send(&self, req: crate::proto::pb::StepRequest) -> super::run::StepFuture {
-        Box::pin(watched(self.client.clone(), req))
+    /// `req` gets the next step number, and `after` (a step number, 0: none) as the step the
+    /// shard must run first.
+    pub(super) fn send(&mut self, req: &mut crate::proto::pb::StepRequest, after: u64) -> super::run::StepFuture {
+        self.step_id += 1;
+        req.step_id = self.step_id;
+        req.after_step_id = after;
+        Box::pin(watched(self.client.clone(), req.clone()))
     }
 
     pub(super) fn step_failed(&mut self, status: tonic::Status) {

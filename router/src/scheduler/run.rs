@@ -43,6 +43,8 @@ pub struct Scheduler {
     pub(super) stats: Arc<GroupStats>,
     /// What the group's shards are warmed up with, again when they come back.
     pub(super) warmup: pb::WarmupRequest,
+    /// The last step's number (StepRequest.step_id).
+    pub(super) step_id: u64,
 }
 
 pub(super) type StepFuture = Pin<Box<dyn Future<Output = Result<pb::StepResponse, tonic::Status>> + Send>>;
@@ -80,7 +82,7 @@ impl Scheduler {
         warmup: pb::WarmupRequest,
     ) -> Self {
         let (kv, stats) = placer.group(index);
-        Self { client, state: State::new(config, kv), rx, streams: HashMap::new(), router, placer, index, stats, warmup }
+        Self { client, state: State::new(config, kv), rx, streams: HashMap::new(), router, placer, index, stats, warmup, step_id: 0 }
     }
 
     pub async fn run(mut self) {
@@ -182,7 +184,7 @@ impl Scheduler {
             RouterState::add(&self.router.kv_tier_hit_tokens_total, plan.tier_hit_tokens);
             RouterState::add(&self.stats.prefill_tokens_total, plan.prompt_tokens);
             RouterState::add(&self.stats.prefix_hit_tokens_total, plan.prefix_hit_tokens);
-            let step = self.send(plan.request.clone());
+            let step = self.send(&mut plan.request, 0);
             return Some(InFlight { plan, step, sent: Instant::now() });
         }
     }
@@ -194,9 +196,9 @@ impl Scheduler {
             self.enqueue(e);
         }
         self.drop_leaving();
-        let plan = plan_ahead(&mut self.state, inflight)?;
+        let mut plan = plan_ahead(&mut self.state, inflight)?;
         RouterState::add(&self.router.steps_ahead_total, 1);
-        let mut step = self.send(plan.request.clone());
+        let mut step = self.send(&mut plan.request, inflight.request.step_id);
         // Polled once: its request joins the connection behind the one in flight.
         if let Poll::Ready(r) = futures::poll!(step.as_mut()) {
             step = Box::pin(std::future::ready(r));
@@ -220,8 +222,8 @@ impl Scheduler {
     }
 
     /// Only finished ids or tier saves to tell: a step without work. False on failure.
-    async fn step_finished_only(&mut self, plan: super::StepPlan) -> bool {
-        match self.client.step(plan.request).await {
+    async fn step_finished_only(&mut self, mut plan: super::StepPlan) -> bool {
+        match self.send(&mut plan.request, 0).await {
             Ok(resp) => {
                 self.state.kv.tier_forget(&resp.kv_lost);
                 self.count_tier(&resp, 0, 0);

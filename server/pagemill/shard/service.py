@@ -18,9 +18,9 @@ Step semantics (the proto comments are the contract; shard/requests.py checks):
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -61,9 +61,13 @@ class ShardService:
         self.lock = asyncio.Lock()
         # Every model call runs on this one thread (see new_model_thread()), or in place.
         self.model_thread = None if inline else model_thread or new_model_thread()
-        # Steps waiting for the model thread, in arrival order, and how many are queued or running.
-        self._steps: collections.deque = collections.deque()
+        # Steps waiting for the model thread (request, future), in arrival order, under
+        # _steps_lock (the model thread takes them); how many are queued or running; and the
+        # step_id of the last step run, which a step sent ahead names as its after_step_id.
+        self._steps: list[tuple] = []
+        self._steps_lock = threading.Lock()
         self._stepping = 0
+        self._last_step_id = 0
 
     async def _on_model_thread(self, fn, *args):
         if self.model_thread is None:
@@ -106,26 +110,39 @@ class ShardService:
         return resp
 
     async def _queued_step(self, request):
-        """The step, run by the model thread in arrival order. A router that sends the next
-        step before this one's reply (scheduler/ahead.rs) finds it queued here: the model
-        thread starts it as soon as this one ends, without a turn of the event loop in
-        between, while this loop sends the reply."""
+        """The step, run by the model thread. A router that sends the next step before this
+        one's reply (scheduler/ahead.rs) finds it queued here: the model thread starts it as
+        soon as this one ends, without a turn of the event loop in between, while this loop
+        sends the reply. Two calls may reach this point in either order (gRPC reads their
+        messages concurrently), so a step naming an after_step_id waits for that step."""
         loop = asyncio.get_running_loop()
-        done = loop.create_future()
+        entry = (request, loop.create_future())
         self._stepping += 1
         try:
             # Warmup holds the lock for its whole run: no step slips in beside it.
             async with self.lock:
-                self._steps.append((request, done))
+                with self._steps_lock:
+                    self._steps.append(entry)
                 self.model_thread.submit(self._drain, loop)
-            return await done
+            return await entry[1]
         finally:
             self._stepping -= 1
+            with self._steps_lock:  # a call the router gave up on before it ran
+                self._steps = [e for e in self._steps if e is not entry]
+
+    def _next_step(self):
+        """The oldest queued step whose predecessor (if it names one) has run; None if none."""
+        with self._steps_lock:
+            for i, (request, _) in enumerate(self._steps):
+                if request.after_step_id in (0, self._last_step_id):
+                    return self._steps.pop(i)
+        return None
 
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the model thread: every queued step, oldest first."""
-        while self._steps:
-            request, done = self._steps.popleft()
+        """On the model thread: every queued step that may run, in order."""
+        while (entry := self._next_step()) is not None:
+            request, done = entry
+            self._last_step_id = request.step_id
             try:
                 result = self.runner.step(request)
             except BaseException as e:  # the step's own error, answered by its call
