@@ -86,15 +86,17 @@ def test_disconnected_client_frees_blocks_within_a_decode_step(server):
             info = server.info()
             if info["batch_size"] == 1:
                 break
-            time.sleep(0.02)
+            time.sleep(0.002)  # tiny-model steps take a few ms: poll finer than that
         steps_at_free = server.metric("pagemill_decode_steps_total")
         used_after = info["kv_blocks_used"]
         assert info["batch_size"] == 1, "the disconnected request is still in the batch"
         # hyper notices the closed connection when a token write fails (the
         # first write after the client's FIN still succeeds), and the step
         # after that no longer includes the request: up to 3 steps on a
-        # loaded machine, plus the one in flight while we poll.
-        assert steps_at_free - steps_at_close <= 4, (steps_at_close, steps_at_free)
+        # loaded machine, plus the one in flight while we poll, plus the one
+        # the router sent ahead of that one's reply (scheduler/ahead.rs).
+        print(f"\ndisconnect: batch free after {steps_at_free - steps_at_close:.0f} decode steps")
+        assert steps_at_free - steps_at_close <= 5, (steps_at_close, steps_at_free)
         assert used_after < used_with_both - 5
         assert keeper.result().status_code == 200
     assert wait_all_free(server)["kv_blocks_used"] == 0
