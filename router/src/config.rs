@@ -106,10 +106,10 @@ pub struct RouterConfig {
     /// admit the queued request with the longest cached prefix first (SGLang's LPM)
     #[arg(long)]
     pub cache_aware_admission: bool,
-    /// send each decode step only after the reply of the one before (by default the next decode
-    /// step goes out while the shard still computes the current one, hiding the router's work
-    /// and the gRPC round trip between two steps)
-    #[arg(long = "no-schedule-ahead", action = ArgAction::SetFalse)]
+    /// send the next decode step while the shard still computes the current one, hiding the
+    /// router's work and the gRPC round trip between two steps (off: on a 2-core CPU the work it
+    /// overlaps takes cores from the forward, and int8 batch-1 decode got slower; docs/architecture.md)
+    #[arg(long)]
     pub schedule_ahead: bool,
     /// a queued request's `priority` improves by one per this many ms waited: only better-priority
     /// requests arriving within (priority gap) x this after it can overtake it (0: no aging)
@@ -337,7 +337,7 @@ mod tests {
         assert_eq!((c.max_top_n_tokens, c.default_max_new_tokens, c.max_best_of), (5, 100, 4));
         assert_eq!((c.payload_limit, c.validation_workers), (2_000_000, 2));
         assert_eq!((c.shutdown_timeout_s, c.max_queue_wait_ms), (30, 120_000));
-        assert!(c.prefix_caching && !c.cache_aware_admission && c.schedule_ahead);
+        assert!(c.prefix_caching && !c.cache_aware_admission && !c.schedule_ahead);
         assert_eq!((c.api_key, c.log_level.as_str()), (None, "info"));
         assert!(c.shard_uds_paths.is_empty() && c.tokenizer_dir.as_os_str().is_empty() && c.model_id.is_empty());
     }
@@ -348,14 +348,14 @@ mod tests {
             "--shard-uds-path", "/s0", "--shard-uds-path", "/s1", "--tokenizer-dir", "/m", "--port", "8080",
             "--prefill-chunk-tokens", "512", "--max-num-batched-tokens", "0", "--max-batch-total-tokens", "9000",
             "--payload-limit", "512KiB", "--shutdown-timeout", "5", "--no-prefix-caching",
-            "--cache-aware-admission", "--api-key", "k", "--log-level", "debug", "--no-schedule-ahead",
+            "--cache-aware-admission", "--api-key", "k", "--log-level", "debug", "--schedule-ahead",
         ])
         .unwrap();
         assert_eq!(c.shard_uds_paths, [PathBuf::from("/s0"), PathBuf::from("/s1")]);
         assert_eq!((c.tokenizer_dir, c.port), (PathBuf::from("/m"), 8080));
         assert_eq!((c.prefill_chunk_tokens, c.max_num_batched_tokens), (Some(512), None));
         assert_eq!((c.max_batch_total_tokens, c.payload_limit, c.shutdown_timeout_s), (Some(9000), 512 << 10, 5));
-        assert!(!c.prefix_caching && c.cache_aware_admission && !c.schedule_ahead);
+        assert!(!c.prefix_caching && c.cache_aware_admission && c.schedule_ahead);
         assert_eq!((c.api_key.as_deref(), c.log_level.as_str()), (Some("k"), "debug"));
         let argv = ["--shard-uds-path", "/s", "--tokenizer-dir", "/m"];
         assert_eq!(parse(&argv).unwrap().check(), Ok(()));
