@@ -1,8 +1,9 @@
 //! `plan_ahead`: the decode step after the one in flight, planned before its
-//! reply (vLLM's async scheduling, in its simplest case). The shard runs the
-//! steps of a group in order, so step N+1 may name each sequence's token
-//! sampled in step N without the router knowing it yet: the shard keeps it
-//! (proto: "the last sampled token"). The router's time between two steps
+//! reply (vLLM's async scheduling, in its simplest case). Step N+1 names step
+//! N as its `after_step_id` (run.rs), so the shard runs them in that order
+//! whichever call gRPC hands it first, and step N+1 may name each sequence's
+//! token sampled in step N without the router knowing it yet: the shard keeps
+//! it (proto: "the last sampled token"). The router's time between two steps
 //! (the reply's way back, `update`, delivery, the next plan and its way out,
 //! ~1.5 ms at batch 1 on a 2-core CPU) then overlaps the shard's forward.
 //!
