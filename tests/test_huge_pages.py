@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from conftest import build_model_dir
-from pagemill.models.huge_pages import HUGE_PAGE, huge_empty, huge_zeros, move_to_huge_pages
+from pagemill.models.huge_pages import HUGE_PAGE, huge_empty, huge_zeros, move_packed_to_huge_pages, move_to_huge_pages
 from pagemill.models.loader import load_model
 from pagemill.shard.kv_pool import KVPool
 from test_model import PagedHarness, prompts
@@ -83,6 +83,23 @@ def test_move_keeps_values_ties_and_shared_storage():
     assert start % HUGE_PAGE == 0 and m.table.data_ptr() == start + 64 and m.embed.weight.data_ptr() == start + 192
 
 
+def test_move_packed_copies_keeps_values_and_skips_the_rest():
+    """Plain packed copies move, in module order; modules without one, or with a non-tensor, stay."""
+    class Holder(nn.Module):
+        def __init__(self, packed) -> None:
+            super().__init__()
+            self.packed = packed
+
+    a, b = Holder(torch.arange(10, dtype=torch.bfloat16)), Holder(torch.arange(6.0).view(2, 3))
+    root = nn.Sequential(a, Holder(None), b, Holder(torch.arange(8.0)[::2]))  # the last: not contiguous
+    strided = root[3].packed
+    assert move_packed_to_huge_pages(root) == 64 + 64
+    assert a.packed.data_ptr() % HUGE_PAGE == 0 and b.packed.data_ptr() == a.packed.data_ptr() + 64
+    assert torch.equal(a.packed, torch.arange(10, dtype=torch.bfloat16)) and torch.equal(b.packed, torch.arange(6.0).view(2, 3))
+    assert root[3].packed is strided and root[1].packed is None
+    assert move_packed_to_huge_pages(nn.Linear(2, 2)) == 0
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_in_huge_pages_gives_bit_identical_logits(tmp_path, dtype):
     """The same arithmetic on the same values: only where the weights live differs. Tied
@@ -92,6 +109,8 @@ def test_model_in_huge_pages_gives_bit_identical_logits(tmp_path, dtype):
     huge, _ = load_model(model_dir, dtype, "cpu", huge_pages=True)
     assert huge.lm_head.weight is huge.model.embed_tokens.weight
     assert huge.model.embed_tokens.weight.data_ptr() % HUGE_PAGE == 0
+    if huge.lm_head.gemm is not None:  # bf16 with gemm_bf16 here: its packed copies have an arena of their own
+        assert huge.model.layers[0].self_attn.qkv_proj.packed.data_ptr() % HUGE_PAGE == 0
     outs = []
     for model in (ref, huge):
         h = PagedHarness(model, config, dtype=dtype)

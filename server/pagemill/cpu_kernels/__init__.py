@@ -3,6 +3,8 @@
 - matvec.cpp: the matrix-vector product of single-row linears.
 - decode.cpp: a whole decoder layer for one token, and paged attention for a
   batch of single-token queries (each file says why).
+- gemm_bf16.cpp: the bfloat16 linear at 2..256 rows over a packed weight
+  (wrapped by gemm.py).
 - int8_linear.cpp: the int8-weight, int8-activation linear of `--quantize int8`
   (wrapped by int8.py; its arithmetic is in int8_rows.h, which decode.cpp's
   int8 layer shares).
@@ -39,9 +41,10 @@ log = logging.getLogger(__name__)
 
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
-            _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp", _DIR / "prefill_attention.cpp"]
+            _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp", _DIR / "prefill_attention.cpp",
+            _DIR / "gemm_bf16.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "paged_attention_spans.h",
-            _DIR / "int8_rows.h", _DIR / "prefill_attention.h"]
+            _DIR / "int8_rows.h", _DIR / "prefill_attention.h", _DIR / "gemm_bf16.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}

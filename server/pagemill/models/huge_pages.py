@@ -87,20 +87,46 @@ def move_to_huge_pages(model: nn.Module) -> int:
             storages[key] = storages.get(key, 0) + 1
             entries.append((owner, name, t, name in owner._parameters))
     movable = [e for e in entries if storages[e[2].untyped_storage().data_ptr()] == 1 and e[2].is_contiguous()]
-    total = sum(_round_up(e[2].numel() * e[2].element_size(), _ALIGN) for e in movable)
-    if total == 0:
-        return 0
-    arena, advised = huge_empty(total)
-    offset = 0
-    for owner, name, t, is_param in movable:
-        nbytes = t.numel() * t.element_size()
-        view = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
-        view.copy_(t)
+    views, total, advised = _into_arena([e[2] for e in movable])
+    for (owner, name, t, is_param), view in zip(movable, views, strict=True):
         if is_param:
             t.data = view  # the same Parameter object: ties and optimizer-free references hold
         else:
             owner._buffers[name] = view
-        offset += _round_up(nbytes, _ALIGN)
-    log.info("weights: %.0f MiB in one arena (%s)", total / 2**20,
-             "huge pages advised" if advised else "huge pages unavailable: plain pages")  # fmt: skip
+    if total:
+        log.info("weights: %.0f MiB in one arena (%s)", total / 2**20,
+                 "huge pages advised" if advised else "huge pages unavailable: plain pages")  # fmt: skip
     return total
+
+
+def move_packed_to_huge_pages(model: nn.Module, attr: str = "packed") -> int:
+    """Moves the plain CPU tensors that modules hold as `attr` (models/packed_linear.py's packed
+    copies made after the weights' arena, such as gemm_bf16's) into an arena of their own. oneDNN's
+    opaque copies stay where they are. Returns the bytes moved."""
+    owners = [m for m in model.modules() if isinstance(getattr(m, attr, None), torch.Tensor)]
+    owners = [m for m in owners if getattr(m, attr).layout == torch.strided and getattr(m, attr).device.type == "cpu"
+              and not getattr(m, attr).is_mkldnn and getattr(m, attr).is_contiguous()]  # fmt: skip
+    views, total, advised = _into_arena([getattr(m, attr) for m in owners])
+    for m, view in zip(owners, views, strict=True):
+        setattr(m, attr, view)
+    if total:
+        log.info("packed weight copies: %.0f MiB in one arena (%s)", total / 2**20,
+                 "huge pages advised" if advised else "huge pages unavailable: plain pages")  # fmt: skip
+    return total
+
+
+def _into_arena(tensors: list[torch.Tensor]) -> tuple[list[torch.Tensor], int, bool]:
+    """Copies of contiguous CPU tensors, in order, as views into one new huge-page arena; with
+    the arena's bytes and whether the advice was taken."""
+    total = sum(_round_up(t.numel() * t.element_size(), _ALIGN) for t in tensors)
+    if total == 0:
+        return [], 0, False
+    arena, advised = huge_empty(total)
+    views, offset = [], 0
+    for t in tensors:
+        nbytes = t.numel() * t.element_size()
+        view = arena[offset : offset + nbytes].view(t.dtype).view(t.shape)
+        view.copy_(t)
+        views.append(view)
+        offset += _round_up(nbytes, _ALIGN)
+    return views, total, advised

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from pagemill.attention.backend import AttentionBackend
 from pagemill.config import check_quantize
-from pagemill.models.huge_pages import move_to_huge_pages
+from pagemill.models.huge_pages import move_packed_to_huge_pages, move_to_huge_pages
 from pagemill.models.config import ModelConfig
 from pagemill.models.architectures import model_class
 from pagemill.models.impl import choose_impl
@@ -97,6 +97,8 @@ def load_model(
     if huge_pages and device.type == "cpu":
         move_to_huge_pages(model)  # before pack_weights takes pointers into the weights
     model.pack_weights(cpu_kernels)  # CPU float32/bf16 only; see models/packed_linear.py
+    if huge_pages and device.type == "cpu":
+        move_packed_to_huge_pages(model)  # the copies pack_weights made (bf16: gemm_bf16's)
     if config.layer_windows:
         windowed = sum(w is not None for w in config.layer_windows)
         log.info("sliding window %d tokens in %d of %d layers", config.sliding_window, windowed,

@@ -16,6 +16,14 @@ packed bf16 copy pays).
 At MATVEC_MAX_ROWS (1) row a compiled matrix-vector kernel
 (pagemill.cpu_kernels) beats both: it reads the plain weight at close to
 memory speed.
+
+bfloat16 on a CPU with AVX512-BF16 and no AMX: a compiled GEMM
+(cpu_kernels/gemm_bf16.h) over its own packed copy replaces oneDNN's at every
+row count from 2, in place of the oneDNN copy (the memory is the same). In a
+decode step it streams the weights at close to memory speed where oneDNN's
+did not, and multiplies at the core's vdpbf16ps rate (docs/cpu.md has the
+figures). Where AMX is present oneDNN's AMX kernels are kept: they were not
+measured against it, and the tiles multiply ~8x faster than vdpbf16ps.
 """
 
 from __future__ import annotations
@@ -42,6 +50,18 @@ MATVEC_MAX_ROWS = 1
 PACK_BF16 = True
 
 
+def bf16_linear_path(flags: set[str], kernel_fast: bool, asked: str = "auto") -> str:
+    """Which multiplies a packed bf16 linear: "kernel" (gemm_bf16) or "onednn". asked: "auto"
+    (the measured choice), or either name (benchmarks compare them; an unbuilt kernel -> onednn)."""
+    if asked not in ("auto", "kernel", "onednn"):
+        raise ValueError(f"bf16 linear path must be auto, kernel or onednn, got {asked!r}")
+    if not kernel_fast:
+        return "onednn"
+    if asked != "auto":
+        return asked
+    return "onednn" if "amx_bf16" in flags else "kernel"
+
+
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         if not _mkldnn_bf16():
@@ -64,17 +84,26 @@ def _mkldnn_bf16() -> bool:
 class PackedLinear(nn.Linear):
     """Same parameters and state-dict names as nn.Linear; `pack()` after loading."""
 
-    packed: torch.Tensor | None = None
+    packed: torch.Tensor | None = None  # oneDNN's copy, or gemm_bf16's where self.gemm is set
     matvec = None  # cpu_kernels.MatvecKernel, set by pack() where it builds
+    gemm = None  # cpu_kernels.gemm.GemmBf16Kernel, set by pack() for bf16 where it pays
 
-    def pack(self, cpu_kernels: bool = True) -> None:
+    def pack(self, cpu_kernels: bool = True, bf16_linear: str = "auto") -> None:
         """(Re)builds the packed copy from the current weight; no-op where unsupported.
-        cpu_kernels: also use the compiled matvec for single rows (cpu_kernels/)."""
+        cpu_kernels: also use the compiled matvec for single rows and, for bf16, the compiled
+        GEMM for more (cpu_kernels/); bf16_linear: bf16_linear_path's `asked`."""
         w = self.weight
-        self.packed = self.matvec = None
+        self.packed = self.matvec = self.gemm = None
         if not packing_available(w.device, w.dtype):
             return
-        if w.dtype == torch.float32 or PACK_BF16:
+        if cpu_kernels and w.dtype == torch.bfloat16 and w.dim() == 2:
+            from pagemill.cpu_kernels.gemm import gemm_bf16_kernel, pack_bf16
+            from pagemill.models.auto_dtype import cpu_flags
+
+            kernel = gemm_bf16_kernel()
+            if bf16_linear_path(cpu_flags(), kernel is not None and kernel.fast, bf16_linear) == "kernel":
+                self.gemm, self.packed = kernel, pack_bf16(w)
+        if self.gemm is None and (w.dtype == torch.float32 or PACK_BF16):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT)
         if cpu_kernels and w.is_contiguous():
             from pagemill.cpu_kernels import matvec_kernel
@@ -87,22 +116,25 @@ class PackedLinear(nn.Linear):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), through the matvec kernel or the packed weight where they pay."""
         rows = x.shape[0] if x.dim() == 2 else 0
-        if x.dtype != self.weight.dtype or not 0 < rows <= PACKED_MAX_ROWS:
-            return F.linear(x, self.weight, bias)
-        if torch.is_grad_enabled() and x.requires_grad:
+        if x.dtype != self.weight.dtype or rows == 0 or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, self.weight, bias)  # the packed ops have no backward
         if self.matvec is not None and rows <= MATVEC_MAX_ROWS:
             return self.matvec(x.contiguous(), self.weight, bias)
-        if self.packed is not None:
+        if self.gemm is not None and (bias is None or bias.dtype == x.dtype):
+            # At any row count: measured as fast as MKL's GEMM at 300-2048 rows (docs/cpu.md).
+            return self.gemm(x if x.stride(1) == 1 else x.contiguous(), self.packed, bias, self.out_features)
+        if rows > PACKED_MAX_ROWS:
+            return F.linear(x, self.weight, bias)
+        if self.packed is not None and self.gemm is None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, bias, "none", [], "")
         return F.linear(x, self.weight, bias)
 
 
-def pack_all(module: nn.Module, cpu_kernels: bool = True) -> int:
+def pack_all(module: nn.Module, cpu_kernels: bool = True, bf16_linear: str = "auto") -> int:
     """Packs every PackedLinear under `module`; returns how many were packed."""
     n = 0
     for m in module.modules():
         if isinstance(m, PackedLinear):
-            m.pack(cpu_kernels)
+            m.pack(cpu_kernels, bf16_linear)
             n += m.packed is not None
     return n

@@ -1,0 +1,57 @@
+"""ctypes wrapper of gemm_bf16.cpp (bfloat16 linears at 2..256 rows) and its weight packing."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+import torch.nn.functional as F
+
+from pagemill.cpu_kernels import _library, _wrapper
+
+# Output channels per packed block and activations per 32-bit lane (gemm_bf16.h's layout).
+BLOCK_N = 16
+PAIR_K = 2
+
+
+def pack_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> [ceil(N/16), ceil(K/2), 16, 2] (zero padded), the layout the kernel reads."""
+    n, k = weight.shape
+    np_, kp = -(-n // BLOCK_N) * BLOCK_N, -(-k // PAIR_K) * PAIR_K
+    w = F.pad(weight.detach(), (0, kp - k, 0, np_ - n))
+    return w.view(np_ // BLOCK_N, BLOCK_N, kp // PAIR_K, PAIR_K).permute(0, 2, 1, 3).contiguous()
+
+
+class GemmBf16Kernel:
+    """y = x @ w.T (+ bias) for bfloat16 rows against a pack_bf16 weight."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        vp, i64 = ctypes.c_void_p, ctypes.c_int64
+        self._fn = lib.pagemill_gemm_bf16
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i64, ctypes.c_int]
+        # Whether the AVX512-BF16 path was compiled in (else the portable loop, for tests only).
+        self.fast = bool(lib.pagemill_gemm_bf16_fast())
+
+    def __call__(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+                 out_features: int) -> torch.Tensor:  # fmt: skip
+        """x [M, K] bf16 (unit stride in K), packed from pack_bf16 of an [out_features, K] weight,
+        bias bf16 [out_features] or None -> [M, out_features] bf16."""
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.stride(1) != 1:
+            raise ValueError(f"bf16 gemm takes 2-d bfloat16 rows of unit stride, got {x.dtype} {tuple(x.shape)}")
+        m, k = x.shape
+        kp = packed.shape[1] * PAIR_K
+        if kp != k:  # an odd K: the packed weight has a zero column the rows must match
+            x = F.pad(x, (0, kp - k))
+        y = torch.empty((m, out_features), dtype=torch.bfloat16)
+        rc = self._fn(x.data_ptr(), x.stride(0), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                      y.data_ptr(), out_features, m, out_features, kp, torch.get_num_threads())  # fmt: skip
+        if rc != 0:
+            raise ValueError(f"bf16 gemm rejected x {tuple(x.shape)}, {out_features} outputs")
+        return y
+
+
+def gemm_bf16_kernel() -> GemmBf16Kernel | None:
+    """The process-wide bf16 gemm, built or loaded on first call; None where unavailable."""
+    lib = _library()
+    return None if lib is None else _wrapper("gemm_bf16", GemmBf16Kernel, lib)

@@ -1,0 +1,28 @@
+// y[M, N] = x[M, K] @ w[N, K]^T (+ bias) in bfloat16 over the packed weight
+// layout of gemm_bf16.h (wrapped by gemm.py, used by models/packed_linear.py).
+#include <omp.h>
+#include <stdint.h>
+
+#include "gemm_bf16.h"
+
+extern "C" {
+
+// 1 where the AVX512-BF16 path was compiled in, 0 for the portable loop.
+int pagemill_gemm_bf16_fast() { return pagemill::gemm::kDpbf16 ? 1 : 0; }
+
+// x [M, K] bf16 rows ldx elements apart (K even); w packed [ceil(N/16)][K/2][16][2];
+// bias bf16 [N] or null; y [M, N] bf16 rows ldy apart. Returns 0, or 1 on a bad
+// shape (nothing written).
+int pagemill_gemm_bf16(const pagemill::bf16* x, int64_t ldx, const pagemill::bf16* w, const pagemill::bf16* bias,
+                       pagemill::bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
+  if (M < 0 || N <= 0 || K <= 0 || K % 2 != 0 || ldx < K || ldy < N) return 1;
+  if (M == 0) return 0;
+  const pagemill::gemm::Args a{x, ldx, w, bias, y, ldy, M, N, K};
+  // A team only pays when there is more than a block per thread.
+  const int64_t blocks = (N + pagemill::gemm::kBlock - 1) / pagemill::gemm::kBlock;
+  const int nt = blocks < 2 * threads ? 1 : threads;
+#pragma omp parallel num_threads(nt)
+  pagemill::gemm::share(a, omp_get_thread_num(), omp_get_num_threads());
+  return 0;
+}
+}

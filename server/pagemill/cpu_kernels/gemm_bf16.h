@@ -1,0 +1,164 @@
+// The bfloat16 linear at 2..a few hundred rows: y[M, N] = x[M, K] @ w[N, K]^T
+// (+ bias), bf16 in and out, float32 sums (AVX512-BF16's vdpbf16ps).
+//
+// Why our own: oneDNN's packed bf16 inner product (what torch runs) measured
+// at 25-35% of this core's vdpbf16ps rate at 8-32 rows in a decode step, and
+// its weight stream ran well below memory speed, so a batch-16 step of the
+// default model took 3x its floor. This is the micro-kernel of
+// int8_rows.h with bf16 pairs instead of int8 quads.
+//
+// Weight layout (packed once at load, models/packed_linear.py): N padded to
+// 16 and K to 2, then [N/16][K/2][16][2]: for each pair of k, the 16 output
+// channels of a block sit in one 64-byte vector, two consecutive k per
+// 32-bit lane, which is what vdpbf16ps multiplies against a broadcast of two
+// activations. A tile keeps 4 blocks (64 outputs) x up to 6 rows in 24
+// accumulator registers, so each weight vector loaded serves 6 rows (64 rows
+// are bound by the multiplies, not the loads), and at few rows the weights
+// stream from 4 sequential blocks.
+//
+// Threads split the blocks evenly; each walks all rows for its blocks, so
+// the weights are read from memory once per call whatever the row count up
+// to kChunkRows; beyond it (prefill) the rows go in chunks that stay in L2
+// while the thread's blocks stream past them again.
+//
+// Without AVX512-BF16 a portable loop over the same layout computes the
+// same sums in float32 (tests build it with the instructions disabled);
+// models/packed_linear.py only picks this kernel where the fast path exists.
+#pragma once
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vec.h"
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace pagemill::gemm {
+
+#if defined(__AVX512BF16__)
+constexpr bool kDpbf16 = true;
+#else
+constexpr bool kDpbf16 = false;
+#endif
+
+constexpr int kBlock = 16;  // output channels per packed block
+constexpr int kTileRows = 6;
+constexpr int kTileBlocks = 4;
+// Rows walked per pass over a thread's blocks: 256 rows of K = 1536 are 768 KB,
+// inside a 1 MB L2 beside the 4 weight blocks of a tile.
+constexpr int64_t kChunkRows = 256;
+
+struct Args {
+  const bf16* x;  // [M, K] rows `ldx` elements apart, K even
+  int64_t ldx;
+  const bf16* w;  // packed [Np/16][K/2][16][2]
+  const bf16* bias;  // [N] or null
+  bf16* y;  // [M, N] rows `ldy` elements apart
+  int64_t ldy;
+  int64_t M, N, K;
+};
+
+#if defined(__AVX512BF16__)
+// Rows [m0, m0+MR) x blocks [b0, b0+NB). As in int8_rows.h, GCC keeps the
+// accumulators in registers only when the constant loops are unrolled early.
+template <int MR, int NB>
+void tile(const Args& a, int64_t m0, int64_t b0) {
+  __m512 acc[MR][NB];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int64_t pairs = a.K / 2, block_elems = a.K * kBlock;
+  const bf16* w = a.w + b0 * block_elems;
+  const bf16* x = a.x + m0 * a.ldx;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[NB];
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * block_elems + p * 32);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      int32_t two;
+      memcpy(&two, x + m * a.ldx + 2 * p, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(two);
+#pragma GCC unroll 4
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], wv[j], xb);
+    }
+  }
+  alignas(64) float sums[MR][NB][kBlock];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m)
+#pragma GCC unroll 4
+    for (int j = 0; j < NB; ++j) _mm512_store_ps(sums[m][j], acc[m][j]);
+  for (int j = 0; j < NB; ++j) {
+    const int64_t n = (b0 + j) * kBlock;
+    const int64_t valid = a.N - n < kBlock ? a.N - n : kBlock;
+    const __mmask16 mask = valid >= kBlock ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+    const __m512 bias = a.bias ? load16(a.bias + n, valid) : _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m)
+      _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + n, mask, narrow_bf16(_mm512_add_ps(_mm512_load_ps(sums[m][j]), bias)));
+  }
+}
+
+template <int MR>
+void tile_blocks(const Args& a, int64_t m0, int64_t b0, int nb) {
+  switch (nb) {
+    case 4: tile<MR, 4>(a, m0, b0); break;
+    case 3: tile<MR, 3>(a, m0, b0); break;
+    case 2: tile<MR, 2>(a, m0, b0); break;
+    default: tile<MR, 1>(a, m0, b0); break;
+  }
+}
+
+inline void tile_any(const Args& a, int64_t m0, int mr, int64_t b0, int nb) {
+  switch (mr) {
+    case 6: tile_blocks<6>(a, m0, b0, nb); break;
+    case 5: tile_blocks<5>(a, m0, b0, nb); break;
+    case 4: tile_blocks<4>(a, m0, b0, nb); break;
+    case 3: tile_blocks<3>(a, m0, b0, nb); break;
+    case 2: tile_blocks<2>(a, m0, b0, nb); break;
+    default: tile_blocks<1>(a, m0, b0, nb); break;
+  }
+}
+#else
+// Portable: the same pairs summed in float32, one row and one block at a time.
+inline void tile_any(const Args& a, int64_t m0, int mr, int64_t b0, int nb) {
+  const int64_t pairs = a.K / 2, block_elems = a.K * kBlock;
+  for (int64_t b = b0; b < b0 + nb; ++b) {
+    const bf16* w = a.w + b * block_elems;
+    for (int64_t m = m0; m < m0 + mr; ++m) {
+      const bf16* x = a.x + m * a.ldx;
+      float acc[kBlock] = {0.f};
+      for (int64_t p = 0; p < pairs; ++p) {
+        const float x0 = to_float(x[2 * p]), x1 = to_float(x[2 * p + 1]);
+        for (int j = 0; j < kBlock; ++j)
+          acc[j] += to_float(w[p * 32 + 2 * j]) * x0 + to_float(w[p * 32 + 2 * j + 1]) * x1;
+      }
+      for (int j = 0; j < kBlock; ++j) {
+        const int64_t n = b * kBlock + j;
+        if (n < a.N) a.y[m * a.ldy + n] = from_float<bf16>(acc[j] + (a.bias ? to_float(a.bias[n]) : 0.f));
+      }
+    }
+  }
+}
+#endif
+
+// One thread's share: thread t of nt takes a contiguous, balanced range of
+// blocks and walks every row of a chunk for each group of kTileBlocks.
+inline void share(const Args& a, int t, int nt) {
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
+  for (int64_t c = 0; c < a.M; c += kChunkRows) {
+    const int64_t rows_end = a.M - c < kChunkRows ? a.M : c + kChunkRows;
+    for (int64_t b = first; b < last; b += kTileBlocks) {
+      const int nb = (int)(last - b < kTileBlocks ? last - b : kTileBlocks);
+      for (int64_t m = c; m < rows_end; m += kTileRows) {
+        const int mr = (int)(rows_end - m < kTileRows ? rows_end - m : kTileRows);
+        tile_any(a, m, mr, b, nb);
+      }
+    }
+  }
+}
+
+}  // namespace pagemill::gemm

@@ -1,0 +1,149 @@
+"""The bfloat16 GEMM (cpu_kernels/gemm_bf16.h) and PackedLinear's use of it, against float64
+references and torch's own bf16 linear.
+
+- kernel vs float64 of the same bf16 inputs: within the output's bf16 rounding, for every tile
+  remainder (1..70 rows), row chunks (300 rows), odd N and K (padding), strided rows, bias or
+  not, one and two threads;
+- the portable loops (AVX-512 or only AVX512-BF16 compiled out) agree the same way;
+- PackedLinear takes it for bf16 at 2+ rows where the path rule says so, and the rule itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.gemm import GemmBf16Kernel, gemm_bf16_kernel, pack_bf16
+from pagemill.models.packed_linear import MATVEC_MAX_ROWS, PackedLinear, bf16_linear_path
+
+kernel = gemm_bf16_kernel()
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ compiler / not x86-64 Linux")
+needs_fast = pytest.mark.skipif(kernel is None or not kernel.fast, reason="no AVX512-BF16 on this CPU")
+
+# (rows, out_features, in_features): every remainder of the 6-row and 4x16-column tiles, odd N and
+# K, the default model's shapes, more rows than one chunk.
+SHAPES = [(1, 960, 576), (2, 576, 1536), (5, 33, 7), (6, 16, 4), (7, 577, 1537), (13, 3072, 576), (64, 960, 576),
+          (70, 130, 64), (300, 200, 96), (3, 1, 2), (1, 1, 1)]  # fmt: skip
+
+
+def _case(m: int, n: int, k: int, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed + m * 7919 + n * 31 + k)
+    x = torch.randn(m, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) / k**0.5).bfloat16()
+    b = torch.randn(n, generator=g).bfloat16() if bias else None
+    return x, w, b
+
+
+def _reference(x, w, b) -> torch.Tensor:
+    y = x.double() @ w.double().T
+    return y + b.double() if b is not None else y
+
+
+def _assert_rounded(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    """ours (bf16) is ref (float64) rounded to bf16, give or take float32 summation: within one
+    bf16 step (2^-8 relative) plus a little absolute slack for sums that cancel."""
+    assert ours.dtype == torch.bfloat16 and ours.shape == ref.shape
+    err = (ours.double() - ref).abs()
+    bound = ref.abs() * 2.0**-8 + 1e-4
+    assert bool((err <= bound).all()), f"max excess {(err - bound).max().item():.3g}"
+
+
+@needs_kernel
+@pytest.mark.parametrize("m,n,k", SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_matches_float64(m, n, k, bias, threads):
+    x, w, b = _case(m, n, k, bias)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        ours = kernel(x, pack_bf16(w), b, n)
+    finally:
+        torch.set_num_threads(before)
+    _assert_rounded(ours, _reference(x, w, b))
+
+
+@needs_kernel
+def test_strided_rows_and_column_slices():
+    """Rows further apart than K (a slice of a wider tensor) are read in place; a non-unit
+    column stride is refused by the wrapper."""
+    x, w, b = _case(9, 100, 64, True)
+    wide = torch.zeros(9, 80, dtype=torch.bfloat16)
+    wide[:, 8:72] = x
+    _assert_rounded(kernel(wide[:, 8:72], pack_bf16(w), b, 100), _reference(x, w, b))
+    with pytest.raises(ValueError, match="unit stride"):
+        kernel(torch.zeros(9, 128, dtype=torch.bfloat16)[:, ::2], pack_bf16(w), b, 100)
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernel(x.float(), pack_bf16(w), b, 100)
+
+
+@needs_kernel
+def test_zero_rows_and_non_finite_inputs():
+    x, w, _ = _case(4, 20, 32, False)
+    assert kernel(x[:0], pack_bf16(w), None, 20).shape == (0, 20)
+    x[1, 3] = float("nan")
+    x[2, 0] = float("inf")
+    out = kernel(x, pack_bf16(w), None, 20)
+    assert bool(out[1].isnan().all()) and not bool(out[2].isfinite().all())
+    _assert_rounded(out[[0, 3]], _reference(x[[0, 3]], w, None))
+
+
+def test_pack_layout():
+    """[N, K] -> [N/16][K/2][16][2]: element (n, k) at [n // 16, k // 2, n % 16, k % 2], zero padded."""
+    w = torch.arange(17 * 5, dtype=torch.float32).view(17, 5).bfloat16()
+    p = pack_bf16(w)
+    assert p.shape == (2, 3, 16, 2)
+    for n in range(17):
+        for k in range(5):
+            assert p[n // 16, k // 2, n % 16, k % 2] == w[n, k]
+    assert p[1, :, 1:].abs().sum() == 0 and p[:, 2, :, 1].abs().sum() == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("flags", [("-mno-avx512f",), ("-mno-avx512bf16",)])
+@pytest.mark.parametrize("m,n,k", [(1, 33, 7), (7, 577, 96), (64, 130, 64)])
+def test_portable_build(flags, m, n, k):
+    lib = build_library(flags)
+    assert lib is not None
+    portable = GemmBf16Kernel(lib)
+    assert not portable.fast
+    x, w, b = _case(m, n, k, True)
+    _assert_rounded(portable(x, pack_bf16(w), b, n), _reference(x, w, b))
+
+
+def test_path_rule():
+    assert bf16_linear_path({"avx512_bf16"}, kernel_fast=True) == "kernel"
+    assert bf16_linear_path({"avx512_bf16", "amx_bf16"}, kernel_fast=True) == "onednn"
+    assert bf16_linear_path({"avx512_bf16"}, kernel_fast=False) == "onednn"
+    assert bf16_linear_path({"amx_bf16"}, kernel_fast=True, asked="kernel") == "kernel"
+    assert bf16_linear_path(set(), kernel_fast=False, asked="kernel") == "onednn"  # not built: nothing to ask for
+    with pytest.raises(ValueError, match="auto, kernel or onednn"):
+        bf16_linear_path(set(), True, asked="mkl")
+
+
+@needs_fast
+@pytest.mark.parametrize("asked", ["kernel", "onednn"])
+def test_packed_linear_paths_agree_with_torch(asked):
+    """Both bf16 paths give torch's bf16 linear within one bf16 rounding, at one row (matvec),
+    decode batches and a prefill; the kernel's copy replaces oneDNN's (same memory)."""
+    lin = PackedLinear(576, 960, bias=True).bfloat16()
+    lin.pack(bf16_linear=asked)
+    assert (lin.gemm is kernel) == (asked == "kernel")
+    if asked == "kernel":
+        assert lin.packed.shape == (60, 288, 16, 2)
+    with torch.inference_mode():
+        for rows in (MATVEC_MAX_ROWS, 2, 16, 64, 300):
+            x = torch.randn(rows, 576).bfloat16()
+            _assert_rounded(lin(x), _reference(x, lin.weight, lin.bias))
+
+
+@needs_kernel
+def test_no_cpu_kernels_keeps_onednn():
+    lin = PackedLinear(64, 32, bias=False).bfloat16()
+    lin.pack(cpu_kernels=False)
+    assert lin.gemm is None
+    x = torch.randn(5, 64).bfloat16()
+    with torch.inference_mode():
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
