@@ -22,11 +22,12 @@ native = norm_kernel()
 pytestmark = pytest.mark.skipif(native is None, reason="no C++ compiler / not x86-64 Linux")
 
 
-@pytest.fixture(scope="module", params=["native", "no-avx512f"])
+@pytest.fixture(scope="module", params=["native", "no-avx512bf16", "no-avx512f"])
 def kernel(request):
+    """no-avx512bf16: bf16 narrowing by integer arithmetic instead of vcvtneps2bf16 (vec.h)."""
     if request.param == "native":
         return native
-    lib = build_library(("-mno-avx512f",))
+    lib = build_library((f"-m{request.param}",))
     assert lib is not None
     return NormKernel(lib)
 
@@ -47,6 +48,25 @@ def test_add_norm_is_the_add_then_the_norm_bit_for_bit(kernel, n, hidden, stride
     assert summed.dtype == normed.dtype == torch.bfloat16 and summed.shape == normed.shape == (n, hidden)
     assert torch.equal(summed, ref)
     assert torch.equal(normed, kernel(ref, weight, 1e-5))
+
+
+def test_add_norm_rounds_denormal_results_as_torch(kernel):
+    """Sums and scaled outputs below 2^-126 (which vcvtneps2bf16 would flush to zero) as torch's ops."""
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(8, 64, generator=g) * 1e-38).bfloat16()
+    residual = (torch.randn(8, 64, generator=g) * 1e-38).bfloat16()
+    weight = (torch.randn(64, generator=g) * 1e-39).bfloat16()  # denormal weights: denormal outputs
+    summed, normed = kernel.add(x, residual, weight, 1e-30)
+    ref_sum = residual + x
+    assert (ref_sum.float().abs() < 2**-126).sum() > 100  # the case is exercised
+    assert torch.equal(summed.view(torch.int16), ref_sum.view(torch.int16))
+    norm = RMSNorm(64, 1e-30).bfloat16()
+    with torch.no_grad():
+        norm.weight.copy_(weight)
+    ref = norm(ref_sum)  # torch's casts (no kernel)
+    assert ((ref != 0) == (normed != 0)).all()  # nothing flushed
+    diff = (normed.float() - ref.float()).abs()
+    assert (diff <= ref.float().abs() * 2**-7).all()  # at most the sum of squares' ulp
 
 
 def test_rms_norm_add_and_norm_with_and_without_the_kernel():
