@@ -145,7 +145,8 @@ class DecodeKernels:
                             slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1], k_cache.data_ptr(),
                             v_cache.data_ptr())  # fmt: skip
         if rc:
-            raise IndexError(f"write_kv: slot {int(slots[rc - 1])} is outside the pool's {k_cache.shape[0] * k_cache.shape[1]}")
+            slots_in_pool = k_cache.shape[0] * k_cache.shape[1]
+            raise IndexError(f"write_kv: slot {int(slots[rc - 1])} is outside the pool's {slots_in_pool}")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,

@@ -43,7 +43,8 @@ class RMSNorm(nn.Module):
         """(residual + x, its norm): a decoder layer's residual add and the norm after it, in one
         kernel pass for bf16 CPU rows (the same bits as the add, rounded to bf16, then forward)."""
         k = self.kernel
-        if k is not None and x.shape == residual.shape and k.applies(x, self.weight) and k.applies(residual, self.weight):
+        if k is not None and x.shape == residual.shape and k.applies(x, self.weight) \
+                and k.applies(residual, self.weight):
             return k.add(x, residual, self.weight, self.eps)
         residual = residual + x
         return residual, self(residual)
