@@ -38,14 +38,19 @@ class Timer:
     def __init__(self, clock) -> None:
         self.clock = clock  # time.perf_counter_ns (wall) or time.process_time_ns (CPU, all threads)
         self.ns: dict[str, int] = defaultdict(int)
+        self.active: set[str] = set()
 
     def wrap(self, name: str, fn):
         def timed(*a, **kw):
+            if name in self.active:  # already timed by an outer call (add_and_norm's torch path calls forward)
+                return fn(*a, **kw)
+            self.active.add(name)
             t = self.clock()
             try:
                 return fn(*a, **kw)
             finally:
                 self.ns[name] += self.clock() - t
+                self.active.discard(name)
 
         return timed
 
@@ -86,6 +91,8 @@ def instrument(runner, timer: Timer) -> None:
     for layer in inner.layers:  # batches past the fused kernel's: the per-layer modules
         layer.forward = timer.wrap("layers", layer.forward)
     inner.norm.forward = timer.wrap("norm", inner.norm.forward)
+    if hasattr(inner.norm, "add_and_norm"):  # the last layer's residual add and the final norm, in one
+        inner.norm.add_and_norm = timer.wrap("norm", inner.norm.add_and_norm)
     # What the engine calls for the sampled rows (head_logits: the head's dtype; before it,
     # compute_logits: widened to float32).
     head = "head_logits" if hasattr(runner.model, "head_logits") else "compute_logits"

@@ -10,12 +10,16 @@ of 64, 576 hidden, 49152 vocabulary), one layer's worth of each:
   uniformly from 1..480 tokens (mean ~240) in shuffled blocks of 16;
 - greedy sampling: cpu_kernels/greedy.cpp against Sampler's torch path on
   bf16 logits;
-- RMSNorm: cpu_kernels/norm.cpp against the torch casts.
+- RMSNorm: cpu_kernels/norm.cpp against the torch casts;
+- residual add + RMSNorm: norm.cpp's add_and_norm against torch's bf16 add
+  followed by the norm kernel (what the module path ran before);
+- KV write: cpu_kernels/kv_write.cpp against the backend's two index_copy_,
+  into a pool of 4096 shuffled blocks of 16.
 
 CPU time (time.process_time) of one thread, variants interleaved within each
 round, medians: what each costs a core, not affected by how busy the other
-core is. A step multiplies attention and norms by the layer count (30, and
-2 norms per layer).
+core is. A step multiplies attention, norms and KV writes by the layer count
+(30, and 2 norms per layer).
 """
 
 from __future__ import annotations
@@ -91,6 +95,32 @@ def norm_case(batch: int, rounds: int) -> dict:
     return {"what": f"RMSNorm, {batch} rows x 576", **ms, "max_abs_err": err}
 
 
+def add_norm_case(batch: int, rounds: int) -> dict:
+    norm = RMSNorm(576, 1e-5).bfloat16()
+    norm.kernel = norm_kernel()
+    g = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(batch, 576, generator=g).bfloat16() for _ in "xr")
+    summed, normed = norm.add_and_norm(x, residual)
+    assert torch.equal(summed, residual + x) and torch.equal(normed, norm(residual + x))
+    ms = cpu_ms({"torch": lambda: norm(residual + x), "kernel": lambda: norm.add_and_norm(x, residual)}, rounds * 20)
+    return {"what": f"residual add + RMSNorm, {batch} rows x 576", **ms, "max_abs_err": 0.0}
+
+
+def kv_write_case(batch: int, rounds: int) -> dict:
+    g = torch.Generator().manual_seed(4)
+    qkv = torch.randn(batch, 15, 64, generator=g).bfloat16()
+    k, v = qkv[:, 9:12], qkv[:, 12:]  # views into the projection, as the attention module passes them
+    pools = {name: [torch.zeros(4096, 16, 3, 64, dtype=torch.bfloat16) for _ in "kv"] for name in ("torch", "kernel")}
+    slots = torch.randperm(4096 * 16, generator=g)[:batch]
+    backends = {"torch": TorchAttentionBackend(), "kernel": TorchAttentionBackend(decode_kernels())}
+    for name, b in backends.items():
+        b.write_kv(k, v, *pools[name], slots)
+    assert all(torch.equal(a, b) for a, b in zip(pools["torch"], pools["kernel"]))
+    ms = cpu_ms({name: (lambda b=b, p=pools[name]: b.write_kv(k, v, *p, slots)) for name, b in backends.items()},
+                rounds * 20)  # fmt: skip
+    return {"what": f"KV write, {batch} tokens x 3 kv heads x 64", **ms, "max_abs_err": 0.0}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=64)
@@ -101,7 +131,8 @@ def main() -> None:
     if decode_kernels() is None:
         raise SystemExit("no compiled CPU kernels on this machine (needs g++ on x86-64 Linux)")
     rows = [attention_case(args.batch, args.rounds), greedy_case(args.batch, args.rounds),
-            norm_case(args.batch, args.rounds)]  # fmt: skip
+            norm_case(args.batch, args.rounds), add_norm_case(args.batch, args.rounds),
+            kv_write_case(args.batch, args.rounds)]  # fmt: skip
     print(f"| what | torch ms (CPU) | kernel ms (CPU) | speedup | max abs diff |\n|---|---:|---:|---:|---:|")
     for r in rows:
         r["speedup"] = r["torch"] / r["kernel"]

@@ -158,15 +158,18 @@ def test_bf16_batched_decode_matches_transformers(tiny_model):
     model, config = load_model(model_dir, "bfloat16", "cpu", backend=TorchAttentionBackend(kernels))
     model.model.fused = None
     calls = []
-    decode, prefill = kernels.paged_attention, kernels.prefill_attention
+    decode, prefill, write = kernels.paged_attention, kernels.prefill_attention, kernels.write_kv
     backend = model.backend
     backend.kernels = type("Counting", (), {
         "paged_attention": lambda self, *a: calls.append("decode") or decode(*a),
-        "prefill_attention": lambda self, *a: calls.append("prefill") or prefill(*a)})()  # fmt: skip
+        "prefill_attention": lambda self, *a: calls.append("prefill") or prefill(*a),
+        "write_kv_applies": staticmethod(kernels.write_kv_applies),
+        "write_kv": lambda self, *a: calls.append("write") or write(*a)})()  # fmt: skip
     check_against_transformers(name, model_dir, model, config)
     # 20 decode steps and the 2 prefills (the first batch, the late joiner): all through the kernels.
     assert calls.count("decode") == 20 * config.num_hidden_layers
     assert calls.count("prefill") == 2 * config.num_hidden_layers
+    assert calls.count("write") == 22 * config.num_hidden_layers  # the keys and values of every step
 
 
 def test_bf16_fused_layer_fallback_builds_match_native(llama_dir, library):

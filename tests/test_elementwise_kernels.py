@@ -20,11 +20,12 @@ native = elementwise_kernels()
 pytestmark = pytest.mark.skipif(native is None, reason="no C++ compiler / not x86-64 Linux")
 
 
-@pytest.fixture(scope="module", params=["native", "no-avx512f"])
+@pytest.fixture(scope="module", params=["native", "no-avx512bf16", "no-avx512f"])
 def kernels(request):
+    """no-avx512bf16: bf16 narrowing by integer arithmetic instead of vcvtneps2bf16 (vec.h)."""
     if request.param == "native":
         return native
-    lib = build_library(("-mno-avx512f",))
+    lib = build_library((f"-m{request.param}",))
     assert lib is not None
     return ElementwiseKernels(lib)
 
@@ -63,6 +64,17 @@ def test_rotary_matches_torch_bit_for_bit(kernels, tokens, heads, dim):
     got = kernels.rotary(x, cos, sin)
     assert got.is_contiguous() and torch.equal(got, ref)
     assert torch.equal(apply_rotary(x, cos, sin, kernels), ref)  # the model's entry point takes it
+
+
+def test_rotary_rounds_denormal_results_as_torch(kernels):
+    """vcvtneps2bf16 flushes float32 denormals to zero; the kernels must round them as torch does."""
+    g = torch.Generator().manual_seed(11)
+    x = (torch.randn(4, 3, 64, generator=g) * 1e-38).bfloat16()  # products below 2^-126
+    x[0, 0, :8] = torch.tensor([1e-39, -1e-39, 3e-40, 1e-45, 0.0, -0.0, float("nan"), 2.0])
+    cos, sin = (torch.randn(4, 64, generator=g) * 0.7).bfloat16(), (torch.randn(4, 64, generator=g) * 0.7).bfloat16()
+    ref, got = apply_rotary(x, cos, sin), kernels.rotary(x, cos, sin)
+    assert (ref.float().abs() < 2**-126).sum() > 100  # the case is exercised
+    assert torch.equal(got.view(torch.int16), ref.view(torch.int16))  # bits, NaN included
 
 
 def test_rotary_refuses_a_layout_it_cannot_read():

@@ -32,6 +32,10 @@ class TorchAttentionBackend:
         self.kernels = kernels
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
+        if self.kernels is not None and self.kernels.write_kv_applies(k, v, k_cache, v_cache, slot_mapping):
+            # A pool in k's dtype: both row copies in one compiled call (cpu_kernels/kv_write.cpp).
+            self.kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
+            return
         # [num_blocks, block_size, kv_heads, pitch] viewed as one row per slot (pitch: head_dim, + 4
         # in an int8 cache: kv_dtype.row_width).
         # An fp8 cache gets a saturating cast, an int8 one rows with their scales; reads below

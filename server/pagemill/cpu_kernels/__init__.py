@@ -8,6 +8,7 @@
 - int8_linear.cpp: the int8-weight, int8-activation linear of `--quantize int8`
   (wrapped by int8.py; its arithmetic is in int8_rows.h, which decode.cpp's
   int8 layer shares).
+- kv_write.cpp: a layer's new keys and values copied into their pool slots.
 
 Each in float32 and bfloat16 (bf16_rows.h: AVX512-BF16 dot products where the
 CPU has them, else widened to float32; a scalar fallback without AVX-512).
@@ -42,7 +43,7 @@ log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
             _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp", _DIR / "prefill_attention.cpp",
-            _DIR / "gemm_bf16.cpp"]
+            _DIR / "gemm_bf16.cpp", _DIR / "kv_write.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "paged_attention_spans.h",
             _DIR / "int8_rows.h", _DIR / "prefill_attention.h", _DIR / "gemm_bf16.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -120,6 +121,34 @@ class DecodeKernels:
         self.prefill = lib.pagemill_prefill_attention  # prefill_attention.cpp
         self.prefill.restype = ctypes.c_int
         self.prefill.argtypes = [vp, ctypes.c_int, i64, vp, vp, vp, i64, vp, vp, vp] + [i64] * 5 + [f32, i64, ctypes.c_int]
+        self._write_kv = lib.pagemill_write_kv  # kv_write.cpp
+        self._write_kv.restype = i64
+        self._write_kv.argtypes = [vp, i64, vp, i64, i64, i64, vp, i64, vp, vp]
+
+    @staticmethod
+    def write_kv_applies(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor) -> bool:
+        """Whether write_kv takes these: CPU tensors, the pool in k's dtype (no cast), each token's
+        heads contiguous, contiguous pools and int64 slots."""
+        return (k.device.type == "cpu" and k.dtype == v.dtype == k_cache.dtype == v_cache.dtype
+                and k.shape[1:] == v.shape[1:] == k_cache.shape[2:] == v_cache.shape[2:]
+                and k.stride(2) == v.stride(2) == 1 and k.stride(1) == v.stride(1) == k.shape[2]
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+                and slots.dtype == torch.int64 and slots.is_contiguous() and slots.device.type == "cpu")  # fmt: skip
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slots: torch.Tensor) -> None:
+        """k_cache/v_cache [blocks, block_size, kv_heads, head_dim] at flat slot slots[t] = k[t] / v[t]
+        [T, kv_heads, head_dim], as index_copy_ (write_kv_applies must hold); raises IndexError on
+        a slot outside the pool (nothing written from that token on)."""
+        row = k.shape[1] * k.shape[2] * k.element_size()
+        size = k.element_size()
+        rc = self._write_kv(k.data_ptr(), k.stride(0) * size, v.data_ptr(), v.stride(0) * size, k.shape[0], row,
+                            slots.data_ptr(), k_cache.shape[0] * k_cache.shape[1], k_cache.data_ptr(),
+                            v_cache.data_ptr())  # fmt: skip
+        if rc:
+            slots_in_pool = k_cache.shape[0] * k_cache.shape[1]
+            raise IndexError(f"write_kv: slot {int(slots[rc - 1])} is outside the pool's {slots_in_pool}")
 
     def paged_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
@@ -199,6 +228,10 @@ class NormKernel:
         i64 = ctypes.c_int64
         self._fn.argtypes = [ctypes.c_void_p, i64, i64, i64, ctypes.c_void_p, ctypes.c_float, ctypes.c_void_p,
                              ctypes.c_int]  # fmt: skip
+        self._add = lib.pagemill_add_rms_norm_bf16
+        self._add.restype = None
+        vp = ctypes.c_void_p
+        self._add.argtypes = [vp, i64, vp, i64, i64, i64, vp, ctypes.c_float, vp, vp, ctypes.c_int]
 
     def applies(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         return (x.dtype == weight.dtype == torch.bfloat16 and x.device.type == "cpu" and x.dim() == 2
@@ -210,6 +243,16 @@ class NormKernel:
         self._fn(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), weight.data_ptr(), eps, out.data_ptr(),
                  torch.get_num_threads())  # fmt: skip
         return out
+
+    def add(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+            eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """(x + residual, its norm), both [N, H] bf16, new tensors: bit for bit torch's bf16 add and
+        then __call__. x and residual as __call__'s x (applies() holds for both), of one shape."""
+        rows, h = x.shape
+        summed, out = torch.empty((2, rows, h), dtype=x.dtype).unbind(0)  # one allocation
+        self._add(x.data_ptr(), x.stride(0), residual.data_ptr(), residual.stride(0), rows, h, weight.data_ptr(), eps,
+                  summed.data_ptr(), out.data_ptr(), torch.get_num_threads())  # fmt: skip
+        return summed, out
 
 
 class ElementwiseKernels:

@@ -90,13 +90,29 @@ inline float dot(const float* a, const float* b, int64_t K) {
 
 #if defined(__AVX512F__)
 // 16 floats -> bf16, rounding to nearest even with NaN kept quiet: from_float<bf16> on each lane.
-inline __m256i narrow_bf16(__m512 v) {
+inline __m256i narrow_bf16_bits(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
   return _mm512_cvtepi32_epi16(r);
+}
+
+// The same, in one instruction where the CPU has AVX512-BF16: vcvtneps2bf16 rounds to nearest
+// even and quiets NaNs the same way, but flushes float32 denormals to zero, so lanes holding one
+// (fpclass 0x20; next to never in a model) take the integer path. Measured: the bf16 element-wise
+// kernels (elementwise.cpp, norm.cpp) spent most of their instructions narrowing (rotary at 64
+// rows, one thread: 25 -> 16 us, silu * up 77 -> 58 us).
+inline __m256i narrow_bf16(__m512 v) {
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+  const __m256i r = (__m256i)_mm512_cvtneps_pbh(v);
+  const __mmask16 denormal = _mm512_fpclass_ps_mask(v, 0x20);
+  if (__builtin_expect(denormal == 0, 1)) return r;
+  return _mm256_mask_blend_epi16(denormal, r, narrow_bf16_bits(v));
+#else
+  return narrow_bf16_bits(v);
+#endif
 }
 
 // 16 elements (or the first n < 16, the rest zero) widened to float32.

@@ -39,6 +39,16 @@ class RMSNorm(nn.Module):
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(residual + x, its norm): a decoder layer's residual add and the norm after it, in one
+        kernel pass for bf16 CPU rows (the same bits as the add, rounded to bf16, then forward)."""
+        k = self.kernel
+        if k is not None and x.shape == residual.shape and k.applies(x, self.weight) \
+                and k.applies(residual, self.weight):
+            return k.add(x, residual, self.weight, self.eps)
+        residual = residual + x
+        return residual, self(residual)
+
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2], float32, on CPU."""

@@ -112,9 +112,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, meta: AttentionMetadata, kv_cache: KVCache,
+                residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """x: the previous layer's MLP output, residual: the stream it adds to (None: x is the embedding,
+        the first layer's input) -> (this layer's MLP output, the stream it adds to). As vLLM does, each
+        residual add is left to the norm that reads its sum (RMSNorm.add_and_norm: one kernel pass)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            residual, h = self.input_layernorm.add_and_norm(x, residual)
+        h = self.self_attn(h, cos, sin, meta, kv_cache)
+        residual, h = self.post_attention_layernorm.add_and_norm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -141,9 +150,10 @@ class LlamaModel(nn.Module):
             return self.norm(self.fused(x, cos, sin, meta, kv_caches))
         # One cos/sin for all layers: positions do not change inside a forward.
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, sin, meta, kv_cache)
-        return self.norm(x)
+            x, residual = layer(x, cos, sin, meta, kv_cache, residual)
+        return self.norm.add_and_norm(x, residual)[1]
 
 
 class LlamaForCausalLM(nn.Module):
