@@ -137,6 +137,8 @@ def test_packed_linear_paths_agree_with_torch(asked):
         for rows in (MATVEC_MAX_ROWS, 2, 16, 64, 300):
             x = torch.randn(rows, 576).bfloat16()
             _assert_rounded(lin(x), _reference(x, lin.weight, lin.bias))
+        x = torch.randn(1, 576).bfloat16().expand(3, 576)  # rows that overlap (stride 0) are copied first
+        _assert_rounded(lin(x), _reference(x, lin.weight, lin.bias))
 
 
 @needs_kernel
