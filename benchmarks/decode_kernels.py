@@ -33,7 +33,8 @@ import torch
 
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import decode_kernels, greedy_kernel, norm_kernel
+from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.rowwise import greedy_kernel, norm_kernel
 from pagemill.models.layers import RMSNorm
 from pagemill.sampling import Sampler, SamplingParams
 

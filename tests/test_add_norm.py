@@ -14,7 +14,8 @@ import torch
 from test_model import PagedHarness, prompts
 
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import NormKernel, build_library, decode_kernels, norm_kernel
+from pagemill.cpu_kernels import build_library, decode_kernels
+from pagemill.cpu_kernels.rowwise import NormKernel, norm_kernel
 from pagemill.models.layers import RMSNorm
 from pagemill.models.loader import load_model
 

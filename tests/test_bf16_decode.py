@@ -222,7 +222,7 @@ def test_bf16_fused_tracks_float32_on_default_model(default_model_dir):
 
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (64, 576), (3, 17), (300, 96)])
 def test_bf16_rms_norm_kernel_matches_the_torch_casts(rows, hidden):
-    from pagemill.cpu_kernels import norm_kernel
+    from pagemill.cpu_kernels.rowwise import norm_kernel
     from pagemill.models.layers import RMSNorm
 
     g = torch.Generator().manual_seed(rows + hidden)

@@ -13,7 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagemill.cpu_kernels import ElementwiseKernels, build_library, elementwise_kernels
+from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.rowwise import ElementwiseKernels, elementwise_kernels
 from pagemill.models.layers import MLP, apply_rotary
 
 native = elementwise_kernels()

@@ -11,7 +11,8 @@ import pytest
 import torch
 from test_sampling import VOCAB, Row
 
-from pagemill.cpu_kernels import GreedyKernel, build_library, greedy_kernel
+from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.rowwise import GreedyKernel, greedy_kernel
 from pagemill.sampling import Sampler, SamplingParams
 
 kernel = greedy_kernel()

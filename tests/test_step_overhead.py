@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagemill.attention.metadata import make_metadata
-from pagemill.cpu_kernels import greedy_kernel
+from pagemill.cpu_kernels.rowwise import greedy_kernel
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
 from pagemill.sampling import Sampler, SamplingParams

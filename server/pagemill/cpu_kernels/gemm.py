@@ -1,4 +1,4 @@
-"""ctypes wrapper of gemm_bf16.cpp (bfloat16 linears at 2..256 rows) and its weight packing."""
+"""ctypes wrapper of gemm_bf16.cpp (bfloat16 linears from 2 rows up) and its weight packing."""
 
 from __future__ import annotations
 

@@ -58,6 +58,12 @@ FUSED_MAX_BATCH = 5
 # 54.5 vs 63.3 ms, 5: 54 vs 74; 6 and 8 even (68 vs 62, 78 vs 79 in one run,
 # 44 vs 54, 98 vs 109 in another).
 FUSED_MAX_BATCH_BF16 = 8
+# bf16 where the module path's linears run our GEMM (models/packed_linear.py, gemm_bf16.h), which
+# streams the weights faster than the layer's row-by-row dot products from a few rows. Measured
+# (fused and module path alternating step by step in one process, default model, wall clock,
+# medians of 20 steps, docs/cpu.md): 2 threads, batch 4 12.6 vs 14.4 ms, 5 18.0 vs 18.6, 6 19.9 vs
+# 16.1, 8 21.9 vs 17.9; 1 thread, batch 4 18.7 vs 19.1, 5 25.1 vs 20.3, 8 36.3 vs 24.4.
+FUSED_MAX_BATCH_BF16_GEMM = 4
 # int8 weights: the layer's maximum. The module path runs the same int8 kernel per linear plus
 # ~25 torch ops per layer; measured (benchmarks/int8_speed.py --fused-ab, 1 thread, rest bf16,
 # shared machine; docs/quantization.md) fused vs module path: batch 1 20.9 vs 35.3 ms, 4: 33.1
@@ -74,7 +80,13 @@ class FusedDecoder:
         self._eps = eps
         self.dtype = dtype
         self.int8 = int8
-        bound = FUSED_MAX_BATCH_INT8 if int8 else FUSED_MAX_BATCH if dtype == torch.float32 else FUSED_MAX_BATCH_BF16
+        gemm = dtype == torch.bfloat16 and getattr(getattr(layers[0].mlp, "gate_up_proj", None), "gemm", None) is not None
+        if int8:
+            bound = FUSED_MAX_BATCH_INT8
+        elif dtype == torch.float32:
+            bound = FUSED_MAX_BATCH
+        else:
+            bound = FUSED_MAX_BATCH_BF16_GEMM if gemm else FUSED_MAX_BATCH_BF16
         self.max_batch = min(bound, kernels.layer_max_rows)
         # bf16 only: how the linears multiply (cpu_kernels.BF16_MUL; benchmarks switch it).
         self.mul = "auto"

@@ -19,7 +19,7 @@ from pagemill.parallel.partition import Range
 
 
 class RMSNorm(nn.Module):
-    kernel = None  # cpu_kernels.NormKernel for bf16 rows on the CPU, set by pack_weights
+    kernel = None  # cpu_kernels.rowwise.NormKernel for bf16 rows on the CPU, set by pack_weights
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -133,7 +133,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels=None) -> torch.Tensor:
     """x [T, heads, head_dim]; cos/sin [T, head_dim] (HF's rotate_half convention).
-    kernels: cpu_kernels.ElementwiseKernels, used for bf16 CPU rows in their layout (same roundings)."""
+    kernels: cpu_kernels.rowwise.ElementwiseKernels, used for bf16 CPU rows in their layout (same roundings)."""
     if kernels is not None and kernels.applies(x) and x.stride(1) == x.shape[2] and cos.dtype == x.dtype \
             and cos.shape == (x.shape[0], x.shape[2]):
         return kernels.rotary(x, cos, sin)
@@ -142,7 +142,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels=
 
 
 class MLP(nn.Module):
-    # cpu_kernels.ElementwiseKernels for bf16 rows on the CPU (silu(gate) * up in one pass), set by pack_weights
+    # cpu_kernels.rowwise.ElementwiseKernels for bf16 rows on the CPU (silu(gate) * up in one pass), set by pack_weights
     kernels = None
 
     def __init__(

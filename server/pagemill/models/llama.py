@@ -71,7 +71,7 @@ class Attention(nn.Module):
         # This layer's sliding window (None: global); the model sets it from config.layer_windows.
         self.sliding_window: int | None = None
         self.softcap: float | None = None  # attention-logit cap (Gemma 2)
-        self.kernels = None  # cpu_kernels.ElementwiseKernels (bf16 rotary on the CPU), set by pack_weights
+        self.kernels = None  # cpu_kernels.rowwise.ElementwiseKernels (bf16 rotary on the CPU), set by pack_weights
         self.backend = backend
         h, bias = config.hidden_size, config.attention_bias
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
@@ -205,7 +205,8 @@ class LlamaForCausalLM(nn.Module):
         self.model.fused = None
         norm = elementwise = None
         if cpu_kernels:
-            from pagemill.cpu_kernels import decode_kernels, elementwise_kernels, norm_kernel
+            from pagemill.cpu_kernels import decode_kernels
+            from pagemill.cpu_kernels.rowwise import elementwise_kernels, norm_kernel
 
             self.model.fused = FusedDecoder.build(self, decode_kernels())
             if self.model.embed_tokens.weight.device.type == "cpu":

@@ -59,7 +59,7 @@ class SamplerOutput:
 
 class Sampler:
     def __init__(self, device: torch.device | str = "cpu", seed: int | None = None, greedy=None) -> None:
-        """greedy: a cpu_kernels.GreedyKernel for batches of plain greedy rows on the CPU (None: torch)."""
+        """greedy: a cpu_kernels.rowwise.GreedyKernel for batches of plain greedy rows on the CPU (None: torch)."""
         self.device = torch.device(device)
         self.greedy = greedy
         # Draws of unseeded requests. Seeded requests own their generator, so

@@ -26,7 +26,7 @@ import torch
 from pagemill.attention.backend import select_backend
 from pagemill.attention.kv_dtype import check_kv_dtype, kv_dtype_name, parse_kv_cache_dtype
 from pagemill.config import ShardConfig
-from pagemill.cpu_kernels import greedy_kernel
+from pagemill.cpu_kernels.rowwise import greedy_kernel
 from pagemill.models.config import ModelConfig, all_layers_window
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.auto_dtype import resolve_dtype
