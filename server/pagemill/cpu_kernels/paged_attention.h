@@ -255,14 +255,16 @@ inline void group_scores(const float* q, int64_t q_stride, int64_t group, const 
   }
 }
 
-// s[t] = e^(s[t] - max s) over len; returns the sum.
-inline float exp_shifted(float* s, int64_t len) {
+// s[t] = e^(s[t] - max s) over len; returns the sum (and the max in *max_out).
+inline float exp_shifted(float* s, int64_t len, float* max_out = nullptr) {
   __m512 m = _mm512_set1_ps(-INFINITY);
   for (int64_t t = 0; t < len; t += 16) {  // masked: the row may end at the end of its page
     const __mmask16 k = first(len - t);
     m = _mm512_mask_max_ps(m, k, _mm512_maskz_loadu_ps(k, s + t), m);
   }
-  const __m512 mx = _mm512_set1_ps(_mm512_reduce_max_ps(m));
+  const float top = _mm512_reduce_max_ps(m);
+  if (max_out) *max_out = top;
+  const __m512 mx = _mm512_set1_ps(top);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < len; t += 16) {
     const __mmask16 k = first(len - t);

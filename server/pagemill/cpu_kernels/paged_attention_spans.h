@@ -1,6 +1,6 @@
 // Decode attention of one sequence's span of keys for ALL its query heads,
-// block by block in one pass (attend_batch's AVX-512 path; included by
-// paged_attention.h, whose helpers it uses).
+// block by block (attend_batch's AVX-512 path; included by paged_attention.h,
+// whose helpers it uses).
 //
 // Why (measured, docs/cpu.md): at 64 running sequences the kernel waited on
 // memory. The pool is [blocks, block_size, kv_heads, head_dim], so a task per
@@ -9,55 +9,57 @@
 // task reads each block's K and V once, front to back (6 KB each at the
 // default model's shape), for every kv head, and asks for the blocks ahead of
 // it (scattered over the pool: no hardware prefetcher finds them).
-// The softmax is the online one (running max and sum per head, the output
-// rescaled when the max rises), so a block's keys and values are used
-// together and a span can be any run of blocks: attend_batch_spans splits long
-// contexts over tasks when there are too few sequences to go round, and
-// merges the spans' partial results.
+// A span is any run of blocks, taken in two passes (scores, then values;
+// attend_span says why): attend_batch_spans splits long contexts over tasks
+// when there are too few sequences to go round, and merges the spans' partial
+// results (max, sum and output per head).
 #pragma once
 
 namespace pagemill {
 
 #if defined(__AVX512F__)
 
-// Where a head's online softmax stands: running max, sum of e^(s - max), and
-// the unnormalised output (for bf16 caches in widen_values' order).
+// Where a head's softmax over a span stands when the span is done: max,
+// sum of e^(s - max), and the unnormalised output (for bf16 caches in
+// widen_values' order); spans of one sequence are merged from these.
 struct HeadState {
   float* m;
   float* l;
   float* acc;  // [heads][D]
 };
 
-// Lines of the K and V blocks ahead to ask for, spread over the value rows of
-// a chunk, into L2. Measured (benchmarks/decode_attention.py, 64 x 192, one
-// thread): a burst of a block's ~200 prefetches at the block's start stalled
-// on the full miss queue (`perf annotate`: a quarter of the samples on the
-// prefetches), 0.72x the per-kv-head kernel; spread out, into L1, 0.9x
-// (the value loads still waited: two blocks ahead do not fit L1 beside the
-// block in use); into L2, one block ahead, 1.4x (two or four ahead: less;
-// _MM_HINT_T2 the same as T1).
+// Lines of one cache's next block, spread over the rows of a pass, into L2.
+// Measured (benchmarks/decode_attention.py, 64 x 192, one thread): a burst
+// of a block's ~200 prefetches at the block's start stalled on the full miss
+// queue (`perf annotate`: a quarter of the samples on the prefetches), 0.72x
+// the per-kv-head kernel; spread out, into L1, 0.9x (the value loads still
+// waited: two blocks ahead do not fit L1 beside the block in use); into L2,
+// one block ahead, 1.4x (two or four ahead: less; _MM_HINT_T2 the same as T1).
 struct Ahead {
-  const char* k;
-  const char* v;
-  int64_t lines;  // from k and from v
+  const char* p;
+  int64_t lines;
 
   inline void at(int64_t i, int64_t n) const {  // row i of n's share
-    for (int64_t x = i * lines / n; x < (i + 1) * lines / n; ++x) {
-      _mm_prefetch(k + 64 * x, _MM_HINT_T1);
-      _mm_prefetch(v + 64 * x, _MM_HINT_T1);
-    }
+    for (int64_t x = i * lines / n; x < (i + 1) * lines / n; ++x) _mm_prefetch(p + 64 * x, _MM_HINT_T1);
+  }
+  // Chunk `c` of a block (rows [r0, r0 + n) of `stride` entries of C), kv head j of nkv's share.
+  template <typename C>
+  static Ahead share(const C* cache, int64_t block_row, int64_t r0, int64_t n, int64_t stride, int64_t j,
+                     int64_t nkv) {
+    if (block_row < 0) return {nullptr, 0};
+    const int64_t from = (block_row + r0 * stride) * (int64_t)sizeof(C);
+    const int64_t lines = (n * stride * (int64_t)sizeof(C) + 63) / 64;
+    const int64_t l0 = j * lines / nkv, l1 = (j + 1) * lines / nkv;
+    return {(const char*)cache + from + 64 * l0, l1 - l0};
   }
 };
 
-// acc[g] = acc[g] * alpha[g] + sum_i p[g][i] v_i over the n rows of a chunk, heads g < G.
+// acc[g] += sum_i p[g][i] v_i over the n rows of a chunk, heads g < G.
 template <int NV, int G, typename C>
-inline void chunk_values(const float* p, int64_t n, const C* v0, int64_t stride, const float* alpha, float* acc,
-                         const Ahead& ahead) {
+inline void chunk_values(const float* p, int64_t n, const C* v0, int64_t stride, float* acc, const Ahead& ahead) {
   __m512 o[G][NV];
-  for (int g = 0; g < G; ++g) {
-    const __m512 a = _mm512_set1_ps(alpha[g]);
-    for (int c = 0; c < NV; ++c) o[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + (g * NV + c) * 16), a);
-  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) o[g][c] = _mm512_loadu_ps(acc + (g * NV + c) * 16);
   for (int64_t i = 0; i < n; ++i) {
     ahead.at(i, n);
     __m512 vf[NV];
@@ -73,8 +75,8 @@ inline void chunk_values(const float* p, int64_t n, const C* v0, int64_t stride,
 
 // chunk_values for `group` heads in the even passes of value_passes().
 template <int NV, typename C>
-inline void chunk_values_group(const float* p, int64_t group, int64_t n, const C* v0, int64_t stride,
-                               const float* alpha, float* acc, const Ahead& ahead) {
+inline void chunk_values_group(const float* p, int64_t group, int64_t n, const C* v0, int64_t stride, float* acc,
+                               const Ahead& ahead) {
   const int64_t passes = value_passes(group, kMaxG<NV>);
   for (int64_t i = 0, g = 0; i < passes; ++i) {
     const int64_t G = (group - g) / (passes - i);
@@ -83,7 +85,7 @@ inline void chunk_values_group(const float* p, int64_t group, int64_t n, const C
     switch (G) {  // G <= kMaxG<NV>
 #define PAGEMILL_CHUNK_G(k) \
   case k:                   \
-    if constexpr (kMaxG<NV> >= k) chunk_values<NV, k>(pg, n, v0, stride, alpha + g, ag, i ? Ahead{} : ahead); \
+    if constexpr (kMaxG<NV> >= k) chunk_values<NV, k>(pg, n, v0, stride, ag, i ? Ahead{nullptr, 0} : ahead); \
     break;
       PAGEMILL_CHUNK_G(1) PAGEMILL_CHUNK_G(2) PAGEMILL_CHUNK_G(3)
       PAGEMILL_CHUNK_G(4) PAGEMILL_CHUNK_G(5) PAGEMILL_CHUNK_G(6)
@@ -99,75 +101,91 @@ inline void prefetch_bytes(const C* p, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch((const char*)p + b, (_mm_hint)kHint);
 }
 
-// How many blocks ahead of the one in use a span asks for (Ahead).
-constexpr int64_t kBlocksAhead = 1;
-
-// The heads of one sequence over its keys [t0, t1) (t0 < t1), into st (which
-// holds the state of earlier keys, or m = -inf, l = 0, acc = 0). q: the
-// sequence's heads as QueryRows; cold: no span before it on this thread (so its
-// first block was not asked for); next: the first block of the span this
-// thread takes next, presumably (prefetched as this one ends), or null.
-template <int NV, typename C>
-inline void attend_span(const QueryRow<C>* q, const PagedKV<C>& kv, int64_t group, int64_t t0, int64_t t1,
-                        float scale, bool cold, const int32_t* next, HeadState st) {
-  constexpr int64_t D = 16 * NV;
-  const int64_t bs = kv.block_size, nkv = kv.kv_heads, P = kv.pitch(), stride = nkv * P;
+// Where a span's chunks of <= 16 tokens lie: block by block, each chunk's
+// first token c0, row count n and first cache row (of `stride` entries).
+template <typename C, typename F>
+inline void for_chunks(const PagedKV<C>& kv, int64_t t0, int64_t t1, F&& chunk) {
+  const int64_t bs = kv.block_size, stride = kv.kv_heads * kv.pitch();
   const int64_t b0 = t0 / bs, b1 = (t1 - 1) / bs + 1;
-  alignas(64) float p[64 * 16], alpha[64];
-  if (cold) {  // no span before this one on this thread asked for its first block
-    const int64_t rows = (int64_t)kv.block_table[b0] * bs * stride, bytes = bs * stride * (int64_t)sizeof(C);
-    prefetch_bytes(kv.k + rows, bytes);
-    prefetch_bytes(kv.v + rows, bytes);
-  }
   for (int64_t b = b0; b < b1; ++b) {
-    // The block kBlocksAhead on (the next span's first after the last), asked for along the way.
-    const int32_t* id = b + kBlocksAhead < b1 ? kv.block_table + b + kBlocksAhead
-                                              : (b + kBlocksAhead == b1 ? next : nullptr);
-    const int64_t ahead_base = id ? (int64_t)*id * bs * stride : -1;
     const int64_t base = (int64_t)kv.block_table[b] * bs * stride;
     const int64_t first = b * bs > t0 ? b * bs : t0, end = (b + 1) * bs < t1 ? (b + 1) * bs : t1;
-    for (int64_t c0 = first; c0 < end; c0 += 16) {  // chunks of <= 16 tokens of this block
+    for (int64_t c0 = first; c0 < end; c0 += 16) {
       const int64_t n = end - c0 < 16 ? end - c0 : 16;
-      const __mmask16 valid = pagemill::first(n);
-      const int64_t row0 = base + (c0 % bs) * stride;
-      for (int64_t j = 0; j < nkv; ++j) {
-        const C* k0 = kv.k + row0 + j * P;
-        __m512 chunk_sc = _mm512_set1_ps(scale), vscale = _mm512_set1_ps(1.f);
-        if constexpr (kScaled<C>) {  // a key's scale on its score, a value's on its probabilities
-          alignas(64) float ks[16] = {}, vs[16] = {};
-          for (int64_t i = 0; i < n; ++i) {
-            ks[i] = row_scale(k0 + i * stride, D);
-            vs[i] = row_scale(kv.v + row0 + j * P + i * stride, D);
-          }
-          chunk_sc = _mm512_mul_ps(chunk_sc, _mm512_load_ps(ks));
-          vscale = _mm512_load_ps(vs);
-        }
-        for (int64_t g = 0; g < group; ++g) {
-          const int64_t h = j * group + g;
-          __m512 acc[16];
-          for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
-          for (int64_t i = 0; i < n; ++i) acc[i] = qk_partial(q[h], k0 + i * stride, D, acc[i]);
-          const __m512 s = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
-                                                _mm512_mul_ps(transpose_sum16(acc), chunk_sc));
-          const float m = st.m[h] > _mm512_reduce_max_ps(s) ? st.m[h] : _mm512_reduce_max_ps(s);
-          const __m512 e = _mm512_maskz_mov_ps(valid, exp_nonpositive(_mm512_sub_ps(s, _mm512_set1_ps(m))));
-          alpha[g] = expf(st.m[h] - m);  // 0 on the first chunk (m was -inf)
-          st.l[h] = st.l[h] * alpha[g] + _mm512_reduce_add_ps(e);
-          st.m[h] = m;
-          _mm512_store_ps(p + g * 16, kScaled<C> ? _mm512_mul_ps(e, vscale) : e);
-        }
-        // This chunk's rows of the block ahead, a kv head's share of them.
-        Ahead ahead{nullptr, nullptr, 0};
-        if (ahead_base >= 0) {
-          const int64_t from = (ahead_base + (c0 % bs) * stride) * (int64_t)sizeof(C);
-          const int64_t lines = (n * stride * (int64_t)sizeof(C) + 63) / 64;
-          const int64_t l0 = j * lines / nkv, l1 = (j + 1) * lines / nkv;
-          ahead = {(const char*)kv.k + from + 64 * l0, (const char*)kv.v + from + 64 * l0, l1 - l0};
-        }
-        chunk_values_group<NV>(p, group, n, kv.v + row0 + j * P, stride, alpha, st.acc + j * group * D, ahead);
-      }
+      chunk(b, c0, n, base + (c0 % bs) * stride);
     }
   }
+}
+
+// The heads of one sequence over its keys [t0, t1) (t0 < t1), into st (which
+// must start at m = -inf, l = 0, acc = 0), in two passes over the span: the
+// scores of every key (the K blocks front to back) into `scores` (heads x
+// ld floats, ld >= t1 - t0 + 16), one softmax per head, then the values (the
+// V blocks front to back). Why two passes and not an online softmax:
+// measured, the online one's per-chunk max, rescale and sums (horizontal
+// reductions and a scalar exp in a dependent chain, per head and 16 keys)
+// took a third of the kernel's time while it was compute-bound (one thread,
+// ~9 GB/s against ~20 GB/s for the same loads and prefetches without them).
+// Each pass asks for its next block along the way (Ahead), the scores pass
+// for the span's first V block as it ends and the values pass for the next
+// task's first K block (`next`, presumably this thread's next span; cold: no
+// span before this one on this thread asked for its first block).
+template <int NV, typename C>
+inline void attend_span(const QueryRow<C>* q, const PagedKV<C>& kv, int64_t group, int64_t t0, int64_t t1,
+                        float scale, bool cold, const int32_t* next, HeadState st, float* scores, int64_t ld) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t bs = kv.block_size, nkv = kv.kv_heads, P = kv.pitch(), stride = nkv * P, len = t1 - t0;
+  const int64_t b0 = t0 / bs, b1 = (t1 - 1) / bs + 1, block_rows = bs * stride;
+  if (cold) prefetch_bytes(kv.k + (int64_t)kv.block_table[b0] * block_rows, block_rows * (int64_t)sizeof(C));
+  // Pass 1: scores.
+  for_chunks(kv, t0, t1, [&](int64_t b, int64_t c0, int64_t n, int64_t row0) {
+    const __mmask16 valid = pagemill::first(n);
+    // The next K block, or this span's first V block after the last K block.
+    const C* ahead_cache = b + 1 < b1 ? kv.k : kv.v;
+    const int64_t ahead_row = (int64_t)kv.block_table[b + 1 < b1 ? b + 1 : b0] * block_rows;
+    for (int64_t j = 0; j < nkv; ++j) {
+      const C* k0 = kv.k + row0 + j * P;
+      const Ahead ahead = Ahead::share(ahead_cache, ahead_row, c0 % bs, n, stride, j, nkv);
+      __m512 chunk_sc = _mm512_set1_ps(scale);
+      if constexpr (kScaled<C>) {  // a key's scale on its score
+        alignas(64) float ks[16] = {};
+        for (int64_t i = 0; i < n; ++i) ks[i] = row_scale(k0 + i * stride, D);
+        chunk_sc = _mm512_mul_ps(chunk_sc, _mm512_load_ps(ks));
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        const int64_t h = j * group + g;
+        ahead.at(g, group);
+        __m512 acc[16];
+        for (int i = 0; i < 16; ++i) acc[i] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < n; ++i) acc[i] = qk_partial(q[h], k0 + i * stride, D, acc[i]);
+        _mm512_mask_storeu_ps(scores + h * ld + (c0 - t0), valid, _mm512_mul_ps(transpose_sum16(acc), chunk_sc));
+      }
+    }
+  });
+  for (int64_t h = 0; h < nkv * group; ++h) st.l[h] = exp_shifted(scores + h * ld, len, st.m + h);
+  // Pass 2: values.
+  alignas(64) float p[64 * 16];
+  for_chunks(kv, t0, t1, [&](int64_t b, int64_t c0, int64_t n, int64_t row0) {
+    // The next V block, or the next task's first K block after the last V block.
+    const int64_t ahead_row = b + 1 < b1 ? (int64_t)kv.block_table[b + 1] * block_rows
+                                         : (next ? (int64_t)*next * block_rows : -1);
+    const C* ahead_cache = b + 1 < b1 ? kv.v : kv.k;
+    for (int64_t j = 0; j < nkv; ++j) {
+      const C* v0 = kv.v + row0 + j * P;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* e = scores + (j * group + g) * ld + (c0 - t0);
+        for (int64_t i = 0; i < n; ++i) p[g * 16 + i] = e[i];
+      }
+      if constexpr (kScaled<C>) {  // a value's scale on its probabilities (after the sums above)
+        for (int64_t i = 0; i < n; ++i) {
+          const float vs = row_scale(v0 + i * stride, D);
+          for (int64_t g = 0; g < group; ++g) p[g * 16 + i] *= vs;
+        }
+      }
+      chunk_values_group<NV>(p, group, n, v0, stride, st.acc + j * group * D,
+                             Ahead::share(ahead_cache, ahead_row, c0 % bs, n, stride, j, nkv));
+    }
+  });
 }
 
 // The blocks of each of `spans` spans of one sequence's keys [first, len)
@@ -246,7 +264,7 @@ void attend_batch_spans(const T* q, int64_t q_stride, const C* k_cache, const C*
 #pragma omp parallel num_threads(threads) if (parallel)
   {
     std::vector<QueryRow<C>> qr(nh);
-    std::vector<float> qf(nh * D), own(part);
+    std::vector<float> qf(nh * D), own(part), scores;
     int64_t last = -2;  // the task this thread ran before
 #pragma omp for schedule(dynamic, grab)
     for (int64_t i = 0; i < tasks; ++i) {
@@ -274,7 +292,9 @@ void attend_batch_spans(const T* q, int64_t q_stride, const C* k_cache, const C*
         const Span nx = i + 1 < tasks ? span_of(i + 1, spans, lens, bs, window) : Span{0, 0, 0};
         const int32_t* next = nx.t0 < nx.t1 ? block_tables + nx.b * width + nx.t0 / bs : nullptr;
         const PagedKV<C> kv{k_cache, v_cache, block_tables + sp.b * width, bs, nkv, D};
-        attend_span<NV>(qr.data(), kv, group, sp.t0, sp.t1, scale, cold, next, hs);
+        const int64_t ld = sp.t1 - sp.t0 + 16;
+        scores.resize(nh * ld);
+        attend_span<NV>(qr.data(), kv, group, sp.t0, sp.t1, scale, cold, next, hs, scores.data(), ld);
       }
       if (spans == 1)
         for (int64_t h = 0; h < nh; ++h) finish_head<NV, C>(hs.acc + h * D, hs.l[h], out + (sp.b * nh + h) * D);
