@@ -111,33 +111,44 @@ def test_better_priority_overtakes_queued_worse_priority(small):
 def test_aging_bounds_how_long_a_worse_priority_waits(small):
     """Priority 10 against an endless stream of priority 0: newcomers that
     arrive 10 aging intervals or more after it rank behind it."""
-    stop = threading.Event()
-    highs = []  # (submitted, finished)
 
-    def stream():
-        while not stop.is_set():
-            t = time.monotonic()
-            r = generate(small, "Stream of newcomers", 16, 0)
-            assert r.status_code == 200
-            highs.append((t, time.monotonic()))
+    def one_try():
+        stop = threading.Event()
+        highs = []  # (submitted, finished)
 
-    # Enough clients that better-priority requests are always queued.
-    threads = [threading.Thread(target=stream) for _ in range(6)]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)
-    t0 = time.monotonic()
-    r = generate(small, "Patient request", 16, 10)
-    t1 = time.monotonic()
-    stop.set()
-    for t in threads:
-        t.join()
-    assert r.status_code == 200
-    overtook = [(a, b) for a, b in highs if a > t0 and b < t1]
-    print(f"priority 10 finished after {t1 - t0:.2f} s; {len(overtook)} priority-0 newcomers overtook it, "
-          f"submitted at most {max((a - t0 for a, _ in overtook), default=0):.2f} s after it")
+        def stream():
+            while not stop.is_set():
+                t = time.monotonic()
+                r = generate(small, "Stream of newcomers", 16, 0)
+                assert r.status_code == 200
+                highs.append((t, time.monotonic()))
+
+        # Enough clients that better-priority requests are always queued.
+        threads = [threading.Thread(target=stream) for _ in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        r = generate(small, "Patient request", 16, 10)
+        t1 = time.monotonic()
+        stop.set()
+        for t in threads:
+            t.join()
+        assert r.status_code == 200
+        overtook = [(a, b) for a, b in highs if a > t0 and b < t1]
+        print(f"priority 10 finished after {t1 - t0:.2f} s; {len(overtook)} priority-0 newcomers overtook it, "
+              f"submitted at most {max((a - t0 for a, _ in overtook), default=0):.2f} s after it")
+        return t0, overtook
+
+    # The check needs the stream to hold the seat when the patient request arrives; on a loaded
+    # machine all six clients can be between requests at that moment (seen once in CI: it went
+    # straight in, 0.26 s). That is the setup missing, not aging failing: try again, at most 3 times.
+    for _ in range(3):
+        t0, overtook = one_try()
+        if overtook:
+            break
     # It did wait behind newcomers (priority works), but none submitted 10 intervals after it
     # (plus 0.25 s for the request to reach the queue) got ahead.
-    assert overtook, "no newcomer overtook: the stream did not keep the seat busy"
+    assert overtook, "no newcomer overtook in 3 tries: the stream did not keep the seat busy"
     late = [a - t0 for a, b in overtook if a - t0 > 10 * AGING_MS / 1000 + 0.25]
     assert not late, late
