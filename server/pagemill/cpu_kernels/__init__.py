@@ -9,6 +9,8 @@
   (wrapped by int8.py; its arithmetic is in int8_rows.h, which decode.cpp's
   int8 layer shares).
 - kv_write.cpp: a layer's new keys and values copied into their pool slots.
+- decode_batched.cpp: a whole bf16 decoder layer for 5+ single-token sequences
+  with gemm_bf16's linears (wrapped by models/batched_decode.py).
 - greedy.cpp, norm.cpp, elementwise.cpp: row-wise bf16 operations (wrapped by rowwise.py).
 
 Each in float32 and bfloat16 (bf16_rows.h: AVX512-BF16 dot products where the
@@ -44,9 +46,10 @@ log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
             _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp", _DIR / "prefill_attention.cpp",
-            _DIR / "gemm_bf16.cpp", _DIR / "kv_write.cpp"]
+            _DIR / "gemm_bf16.cpp", _DIR / "kv_write.cpp", _DIR / "decode_batched.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "paged_attention_spans.h",
-            _DIR / "int8_rows.h", _DIR / "prefill_attention.h", _DIR / "gemm_bf16.h"]
+            _DIR / "int8_rows.h", _DIR / "prefill_attention.h", _DIR / "gemm_bf16.h",
+            _DIR / "bf16_row_ops.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -107,6 +110,13 @@ class DecodeKernels:
         self.layer_ptrs = int(lib.pagemill_decode_layer_ptrs())
         self.layer_dims = int(lib.pagemill_decode_layer_dims())
         self.layer_max_rows = int(lib.pagemill_decode_layer_max_rows())
+        # decode_batched.cpp: the bf16 layer with gemm_bf16's linears (models/batched_decode.py).
+        self.batched_bf16 = lib.pagemill_decode_batched_bf16
+        self.batched_bf16.restype = ctypes.c_int
+        self.batched_bf16.argtypes = [vp, vp, ctypes.c_int, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp,
+                                      i64, i64, ctypes.c_int]  # fmt: skip
+        self.batched_ptrs = int(lib.pagemill_decode_batched_ptrs())
+        self.batched_dims = int(lib.pagemill_decode_batched_dims())
         self.attention = lib.pagemill_paged_attention
         self.attention.restype = ctypes.c_int
         self.attention.argtypes = [vp, i64, vp, vp, vp, i64, vp, vp] + [i64] * 5 + [f32, i64, ctypes.c_int]

@@ -12,82 +12,13 @@
 // result to bf16): silu(g) rounded, then the product rounded; x*cos and
 // rotate_half(x)*sin rounded, then their sum. Only exp differs (a polynomial,
 // relative error ~2e-7), which can move a result by one bf16 step in rare ties.
-#include <math.h>
 #include <stdint.h>
 
-#include "paged_attention.h"  // exp_nonpositive
-#include "vec.h"
-
-namespace {
+#include "bf16_row_ops.h"  // silu_mul_row, rotary_head (shared with decode_batched.cpp)
 
 using pagemill::bf16;
-using pagemill::from_float;
-using pagemill::to_float;
-
-inline float round_bf16(float f) { return to_float(from_float<bf16>(f)); }
-
-inline float silu(float g) { return g / (1.f + expf(-g)); }
-
-#if defined(__AVX512F__)
-inline __m512 round16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(pagemill::narrow_bf16(v)), 16));
-}
-inline void store16(bf16* p, __m512 v, int64_t n) {
-  const __m256i b = pagemill::narrow_bf16(v);
-  if (n >= 16)
-    _mm256_storeu_si256((__m256i*)p, b);
-  else
-    _mm256_mask_storeu_epi16(p, (__mmask16)((1u << n) - 1), b);
-}
-// silu(g) = g * sigmoid(g), sigmoid through e = exp(-|g|) <= 1 so exp never overflows.
-inline __m512 silu16(__m512 g) {
-  const __m512 e = pagemill::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-  const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
-  const __mmask16 neg = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ);
-  const __m512 sig = _mm512_mask_mul_ps(inv, neg, inv, e);  // g < 0: e / (1 + e)
-  return _mm512_mul_ps(g, sig);
-}
-#endif
-
-void silu_mul_row(const bf16* gate, const bf16* up, int64_t n, bf16* out) {
-  int64_t j = 0;
-#if defined(__AVX512F__)
-  for (; j < n; j += 16) {
-    const int64_t m = n - j < 16 ? n - j : 16;
-    const __m512 s = round16(silu16(pagemill::load16(gate + j, m)));
-    store16(out + j, _mm512_mul_ps(s, pagemill::load16(up + j, m)), m);
-  }
-#endif
-  for (; j < n; ++j) out[j] = from_float<bf16>(round_bf16(silu(to_float(gate[j]))) * to_float(up[j]));
-}
-
-// One head of one token: HF's x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
-void rotary_head(const bf16* x, const bf16* cos, const bf16* sin, int64_t D, bf16* out) {
-  const int64_t half = D / 2;
-  int64_t d = 0;
-#if defined(__AVX512F__)
-  if (half % 16 == 0) {
-    for (; d < half; d += 16) {
-      const __m512 x1 = pagemill::load16(x + d), x2 = pagemill::load16(x + half + d);
-      const __m512 c1 = pagemill::load16(cos + d), c2 = pagemill::load16(cos + half + d);
-      const __m512 s1 = pagemill::load16(sin + d), s2 = pagemill::load16(sin + half + d);
-      const __m512 lo = _mm512_add_ps(round16(_mm512_mul_ps(x1, c1)),
-                                      round16(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), x2), s1)));
-      const __m512 hi = _mm512_add_ps(round16(_mm512_mul_ps(x2, c2)), round16(_mm512_mul_ps(x1, s2)));
-      store16(out + d, lo, 16);
-      store16(out + half + d, hi, 16);
-    }
-    return;
-  }
-#endif
-  for (; d < D; ++d) {
-    const float xd = to_float(x[d]);
-    const float rot = d < half ? -to_float(x[d + half]) : to_float(x[d - half]);
-    out[d] = from_float<bf16>(round_bf16(xd * to_float(cos[d])) + round_bf16(rot * to_float(sin[d])));
-  }
-}
-
-}  // namespace
+using pagemill::rows::rotary_head;
+using pagemill::rows::silu_mul_row;
 
 extern "C" {
 

@@ -27,6 +27,7 @@ from torch import nn
 
 from pagemill.attention.backend import AttentionBackend
 from pagemill.attention.metadata import AttentionMetadata
+from pagemill.models.batched_decode import BatchedDecoder
 from pagemill.models.config import ModelConfig
 from pagemill.models.fused_decode import FusedDecoder
 from pagemill.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
@@ -141,6 +142,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.fused: FusedDecoder | None = None  # set by LlamaForCausalLM.pack_weights where it applies
+        self.batched: BatchedDecoder | None = None  # likewise: bf16 decode steps the fused layer does not take
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -150,6 +152,9 @@ class LlamaModel(nn.Module):
             return self.norm(self.fused(x, cos, sin, meta, kv_caches))
         # One cos/sin for all layers: positions do not change inside a forward.
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
+        if self.batched is not None and self.batched.applies(x, meta, kv_caches):
+            x, residual = self.batched(x, cos, sin, meta, kv_caches)  # the loop below, one call per layer
+            return self.norm.add_and_norm(x, residual)[1]
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(x, cos, sin, meta, kv_cache, residual)
@@ -203,12 +208,16 @@ class LlamaForCausalLM(nn.Module):
         single-token fused decode (see fused_decode); call after loading."""
         n = pack_all(self, cpu_kernels)
         self.model.fused = None
+        if isinstance(self.model, LlamaModel):
+            self.model.batched = None
         norm = elementwise = None
         if cpu_kernels:
             from pagemill.cpu_kernels import decode_kernels
             from pagemill.cpu_kernels.rowwise import elementwise_kernels, norm_kernel
 
             self.model.fused = FusedDecoder.build(self, decode_kernels())
+            if isinstance(self.model, LlamaModel):
+                self.model.batched = BatchedDecoder.build(self, decode_kernels())
             if self.model.embed_tokens.weight.device.type == "cpu":
                 norm, elementwise = norm_kernel(), elementwise_kernels()
         for m in self.modules():

@@ -1,0 +1,118 @@
+// One bfloat16 Llama decoder layer for a batch of single-token sequences
+// (5 to a few hundred), in one call: the module path's arithmetic with its
+// linears in gemm_bf16.h's tiles, without its ~10 calls per layer.
+//
+// Why: in a 64-sequence decode step of the default model (~67 ms) the norms,
+// rotary, KV write, SiLU and the Python and dispatch around each of them took
+// ~11 ms (docs/cpu.md): each is a ctypes or aten call of 20-60 us that wakes
+// the OpenMP team for a few microseconds of work. decode.cpp's fused layer
+// already removes them for 1-4 sequences, but with row-by-row dot products
+// that lose to the GEMM's tiles from ~5 rows. Here the layer is two parallel
+// regions around the attention kernel's own, each stage work-shared and
+// ended by a barrier.
+//
+// Bit for bit the module path (models/llama.py with packed_linear's GEMM and
+// the row kernels): the same bf16 roundings at the same places (bf16 residual
+// stream, bf16 intermediates), the same functions (bf16_row_ops.h, gemm.h's
+// tiles, attend_batch), whose results do not depend on how threads split the
+// work. tests/test_batched_decode.py compares the two exactly.
+#include <omp.h>
+#include <stdint.h>
+#include <string.h>
+
+#include <vector>
+
+#include "bf16_row_ops.h"
+#include "gemm_bf16.h"
+#include "paged_attention.h"
+#include "vec.h"
+
+namespace {
+
+using pagemill::bf16;
+
+// Indices into the layer's pointer table (models/batched_decode.py builds it): norm weights,
+// gemm_bf16's packed weights (pack_bf16) and biases (or 0), all bf16.
+enum Ptr { kInNorm, kQkvW, kQkvB, kOW, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNumPtrs };
+// Indices into the dims table.
+enum Dim { kHidden, kHeads, kKvHeads, kHeadDim, kInter, kBlockSize, kNumDims };
+
+// y[B, N] = x[B, K] W^T + b: this thread's share of the blocks, then the barrier that ends it.
+inline void linear(const bf16* x, int64_t w, int64_t bias, bf16* y, int64_t B, int64_t N, int64_t K) {
+  const pagemill::gemm::Args a{x, K, (const bf16*)w, (const bf16*)bias, y, N, B, N, K};
+  pagemill::gemm::share(a, omp_get_thread_num(), omp_get_num_threads());
+#pragma omp barrier
+}
+
+}  // namespace
+
+extern "C" {
+
+int pagemill_decode_batched_ptrs() { return kNumPtrs; }
+int pagemill_decode_batched_dims() { return kNumDims; }
+
+// x [B, H]: in, the previous layer's MLP output (the embedding for the first layer); out, this
+// layer's. residual [B, H]: the stream x adds to, updated (first != 0: set to x, no add). cos/sin
+// [B, D]. Token b's k/v go to flat slot slots[b] of the pools (num_slots rows) before attention
+// reads its first lens[b] keys (block_tables [B, width]; window > 0: only the last `window`).
+// All tensors bf16 except the int tables. K of every linear must be even (the packed layout).
+// Returns 0; 1 on a bad shape, 2 + b for the first token b whose slot is outside the pool
+// (nothing written).
+int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs,
+                                 const int64_t* dims, float eps, float scale, const bf16* cos, const bf16* sin,
+                                 bf16* k_cache, bf16* v_cache, const int32_t* block_tables, int64_t width,
+                                 const int32_t* lens, const int64_t* slots, int64_t num_slots, int64_t window,
+                                 int threads) {
+  const int64_t H = dims[kHidden], nh = dims[kHeads], nkv = dims[kKvHeads], D = dims[kHeadDim];
+  const int64_t I = dims[kInter], bs = dims[kBlockSize];
+  if (B < 1 || nkv <= 0 || nh % nkv != 0 || D % 2 || H % 2 || I % 2 || (nh * D) % 2) return 1;
+  for (int64_t b = 0; b < B; ++b) {
+    if (lens[b] <= 0) return 1;
+    if (slots[b] < 0 || slots[b] >= num_slots) return 2 + (int)b;
+  }
+  const int64_t nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk, nqk = nq + nk;
+  // Scratch kept between calls (one caller thread: the shard's model runner).
+  static thread_local std::vector<bf16> buf;
+  buf.resize(B * (H + nqkv + nqk + nq + H + 2 * I + I));
+  bf16 *h = buf.data(), *qkv = h + B * H, *qk = qkv + B * nqkv, *attn = qk + B * nqk, *o = attn + B * nq;
+  bf16 *gu = o + B * H, *act = gu + B * 2 * I;
+  const bf16 *in_norm = (const bf16*)ptrs[kInNorm], *post_norm = (const bf16*)ptrs[kPostNorm];
+
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      if (first) {
+        memcpy(residual + b * H, x + b * H, H * sizeof(bf16));
+        pagemill::rows::norm_row(x + b * H, in_norm, eps, H, h + b * H);
+      } else {
+        pagemill::rows::add_norm_row(x + b * H, residual + b * H, in_norm, eps, H, residual + b * H, h + b * H);
+      }
+    }
+    linear(h, ptrs[kQkvW], ptrs[kQkvB], qkv, B, nqkv, H);
+    // q and k rotated into qk [B, nh + nkv, D]; k and v (unrotated) into their slots.
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) {
+      for (int64_t j = 0; j < nh + nkv; ++j)
+        pagemill::rows::rotary_head(qkv + b * nqkv + j * D, cos + b * D, sin + b * D, D, qk + (b * nqk + j * D));
+      memcpy(k_cache + slots[b] * nk, qk + b * nqk + nq, nk * sizeof(bf16));
+      memcpy(v_cache + slots[b] * nk, qkv + b * nqkv + nqk, nk * sizeof(bf16));
+    }
+  }
+  if (pagemill::attend_batch<bf16, bf16>(qk, nqk, k_cache, v_cache, block_tables, width, lens, attn, B, nh, nkv, D,
+                                         bs, scale, window, threads))
+    return 1;
+#pragma omp parallel num_threads(threads)
+  {
+    linear(attn, ptrs[kOW], 0, o, B, H, nq);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b)
+      pagemill::rows::add_norm_row(o + b * H, residual + b * H, post_norm, eps, H, residual + b * H, h + b * H);
+    linear(h, ptrs[kGateUpW], ptrs[kGateUpB], gu, B, 2 * I, H);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < B; ++b) pagemill::rows::silu_mul_row(gu + b * 2 * I, gu + b * 2 * I + I, I, act + b * I);
+    linear(act, ptrs[kDownW], ptrs[kDownB], x, B, H, I);
+  }
+  return 0;
+}
+}

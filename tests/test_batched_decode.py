@@ -1,0 +1,130 @@
+"""The batched bf16 decode layer (cpu_kernels/decode_batched.cpp, models/batched_decode.py).
+
+It runs the module path's functions in one call per layer, so its logits must
+equal the module path's bit for bit: every tiny variant and the default
+model, decode steps across block boundaries, sliding windows, one and two
+threads. Against transformers it is covered by test_bf16_decode's batched
+test (which now takes this path). Skipped where the kernels cannot be built;
+on a CPU without AVX512-BF16 the bf16 linears are oneDNN's and the decoder
+must not be built.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_fused_decode import Spy
+from test_model import PagedHarness, prompts
+
+from pagemill.attention.metadata import make_metadata
+from pagemill.attention.torch_backend import TorchAttentionBackend
+from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.gemm import gemm_bf16_kernel
+from pagemill.models.batched_decode import BatchedDecoder
+from pagemill.models.loader import load_model
+
+kernels = decode_kernels()
+gemm = gemm_bf16_kernel()
+
+def load(model_dir, dtype="bfloat16", **kw):
+    """As the server loads it on the CPU: attention through the compiled kernels."""
+    return load_model(str(model_dir), dtype, "cpu", backend=TorchAttentionBackend(kernels), **kw)
+
+
+pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler / not x86-64 Linux")
+needs_gemm = pytest.mark.skipif(gemm is None or not gemm.fast, reason="bf16 linears are oneDNN's on this CPU")
+
+
+def compare_steps(model, config, lens: list[int], steps: int, num_blocks: int = 96) -> int:
+    """Prefill, then `steps` decode steps, each computed by the module path and then by the batched
+    decoder over the same cache; asserts equal logits. Returns the batched decoder's calls."""
+    batched = model.model.batched
+    spy = Spy(batched)
+    h = PagedHarness(model, config, num_blocks=num_blocks, dtype=torch.bfloat16)
+    seqs = dict(enumerate(prompts(config.vocab_size, lens)))
+    for sid, lg in h.prefill(seqs).items():
+        seqs[sid] = seqs[sid] + [int(lg[-1].argmax())]
+    for step in range(steps):
+        model.model.batched = None
+        ref = h.decode(seqs)  # writes this step's k/v; the batched step rewrites the same values
+        model.model.batched = spy
+        out = h.decode(seqs)
+        for sid in seqs:
+            assert torch.equal(out[sid], ref[sid]), f"step {step} seq {sid}: batched differs from the module path"
+            seqs[sid] = seqs[sid] + [int(out[sid].argmax())]
+    model.model.batched = batched
+    return spy.calls
+
+
+@needs_gemm
+@pytest.mark.parametrize("threads", [1, 2])
+def test_batched_equals_module_path(tiny_model, threads):
+    name, model_dir, _ = tiny_model
+    model, config = load(model_dir)
+    assert model.model.batched is not None, f"{name}: a plain bf16 Llama-family model builds the batched decoder"
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        # 7 sequences (above the fused layer's batch), 1..13 tokens: 9 steps cross blocks of 4.
+        assert compare_steps(model, config, [6, 1, 9, 4, 13, 2, 5], steps=9) == 9
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_gemm
+def test_batched_equals_module_path_with_sliding_windows(llama_dir):
+    model, config = load(llama_dir)
+    for i, layer in enumerate(model.model.layers):
+        layer.self_attn.sliding_window = 5 if i == 0 else 3  # windows cutting blocks of 4 mid-block
+    model.model.batched = BatchedDecoder.build(model, kernels)
+    assert compare_steps(model, config, [12, 3, 7, 1, 9, 20], steps=6) == 6
+
+
+@needs_gemm
+def test_batched_equals_module_path_on_default_model(default_model_dir):
+    """SmolLM2 (GQA 9/3, head_dim 64, 30 layers), 12 sequences."""
+    model, config = load(default_model_dir)
+    assert model.model.batched is not None
+    assert compare_steps(model, config, [21, 5, 40, 3, 17, 9, 33, 1, 12, 8, 27, 2], steps=3, num_blocks=128) == 3
+
+
+@needs_gemm
+def test_batched_decoder_applies_only_where_it_computes_the_module_path(llama_dir):
+    model, config = load(llama_dir)
+    batched = model.model.batched
+    x = torch.zeros(6, config.hidden_size, dtype=torch.bfloat16)
+    caches = [tuple(torch.zeros(8, 4, config.num_key_value_heads, config.head_dim, dtype=torch.bfloat16)
+                    for _ in range(2))]  # fmt: skip
+
+    def meta(is_prefill=False, n=6):
+        return make_metadata(is_prefill=is_prefill, query_lens=[1] * n, kv_lens=[3] * n, block_tables=[[1]] * n,
+                             slot_mapping=list(range(n)), device="cpu")  # fmt: skip
+
+    assert batched.applies(x, meta(), caches)
+    model.set_backend(TorchAttentionBackend())  # the torch reference's attention: the module path's
+    assert not batched.applies(x, meta(), caches)
+    model.set_backend(TorchAttentionBackend(kernels))
+    assert not batched.applies(x, meta(is_prefill=True), caches)
+    assert not batched.applies(x.float(), meta(), caches)
+    assert not batched.applies(x, meta(), [tuple(c.float() for c in caches[0])])
+    assert not batched.applies(x, meta(), [tuple(c.to(torch.float8_e4m3fn) for c in caches[0])])
+    # Never built: --no-cpu-kernels, float32 models, oneDNN's bf16 linears, a weight it does not read.
+    assert load_model(llama_dir, "bfloat16", "cpu", cpu_kernels=False)[0].model.batched is None
+    assert load_model(llama_dir, "float32", "cpu")[0].model.batched is None
+    model.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(config.hidden_size,
+                                                                                  dtype=torch.bfloat16))
+    assert BatchedDecoder.build(model, kernels) is None
+    model, _ = load(llama_dir)
+    model.model.layers[1].mlp.down_proj.pack(bf16_linear="onednn")
+    assert BatchedDecoder.build(model, kernels) is None
+
+
+@needs_gemm
+def test_batched_decoder_rejects_a_slot_outside_the_pool(llama_dir):
+    model, config = load(llama_dir)
+    h = PagedHarness(model, config, num_blocks=8, dtype=torch.bfloat16)
+    n = 6
+    meta = make_metadata(is_prefill=False, query_lens=[1] * n, kv_lens=[1] * n, block_tables=[[1]] * n,
+                         slot_mapping=[0, 1, 2, 3, 8 * 4, 5], device="cpu")  # fmt: skip
+    with pytest.raises(IndexError, match="outside the pool"):
+        model(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), meta, h.pool.kv_caches)
