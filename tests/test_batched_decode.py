@@ -111,6 +111,7 @@ def test_batched_decoder_applies_only_where_it_computes_the_module_path(llama_di
     # Never built: --no-cpu-kernels, float32 models, oneDNN's bf16 linears, a weight it does not read.
     assert load_model(llama_dir, "bfloat16", "cpu", cpu_kernels=False)[0].model.batched is None
     assert load_model(llama_dir, "float32", "cpu")[0].model.batched is None
+    assert load(llama_dir, quantize="int8")[0].model.batched is None  # int8 linears: not our GEMM
     model.model.layers[0].self_attn.o_proj.bias = torch.nn.Parameter(torch.zeros(config.hidden_size,
                                                                                   dtype=torch.bfloat16))
     assert BatchedDecoder.build(model, kernels) is None
