@@ -168,3 +168,65 @@ def test_fused_layer_hands_over_earlier_when_the_gemm_runs(tmp_path):
         pack_all(model, True, asked)
         fused = FusedDecoder.build(model, decode_kernels())
         assert fused is not None and fused.max_batch == min(bound, fused._kernels.layer_max_rows)
+
+
+# (rows, intermediate, in_features) for the SwiGLU epilogue: tile remainders, the default model's
+# gate_up (I = 1536, K = 576), one intermediate block, more rows than a chunk.
+SWIGLU_SHAPES = [(1, 16, 64), (2, 48, 576), (5, 1536, 576), (7, 80, 96), (64, 1536, 576), (300, 64, 32)]
+
+
+@needs_fast
+@pytest.mark.parametrize("m,i,k", SWIGLU_SHAPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_swiglu_epilogue_equals_gemm_then_silu_mul(m, i, k, bias, threads):
+    """One pass over the interleaved gate_up: bit for bit the GEMM's gate_up and then the
+    separate silu * up kernel (the module path it replaces)."""
+    from pagemill.cpu_kernels.gemm import interleave_swiglu, pack_swiglu
+    from pagemill.cpu_kernels.rowwise import elementwise_kernels
+
+    x, w, b = _case(m, 2 * i, k, bias, seed=5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gate_up = kernel(x, pack_bf16(w), b, 2 * i)
+        ref = elementwise_kernels().silu_mul(gate_up)
+        ours = kernel.swiglu(x, pack_swiglu(w), None if b is None else interleave_swiglu(b).contiguous())
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(ours, ref)
+    # and within bf16 rounding of torch's own SwiGLU on the same bf16 gate_up
+    g, u = gate_up.float().chunk(2, dim=-1)
+    torch.testing.assert_close(ours.float(), F.silu(g) * u, rtol=2**-7, atol=1e-3)
+
+
+@needs_fast
+def test_swiglu_rejects_what_it_cannot_compute():
+    x, w, _ = _case(4, 40, 64, False)  # I = 20: not whole 16-channel blocks
+    from pagemill.cpu_kernels.gemm import pack_bf16 as pack
+
+    with pytest.raises(ValueError, match="swiglu"):
+        kernel.swiglu(x, pack(w), None)
+    with pytest.raises(ValueError, match="features"):
+        kernel.swiglu(x[:, :32], pack(torch.zeros(32, 64, dtype=torch.bfloat16)), None)
+
+
+@needs_fast
+def test_mlp_packs_gate_up_for_the_swiglu_epilogue(llama_dir):
+    """A bf16 model's MLPs run gate_up + SiLU in one GEMM; --no-cpu-kernels keeps two passes; the
+    output is the two-pass MLP's bit for bit."""
+    from pagemill.models.layers import MLP
+    from pagemill.models.loader import load_model
+
+    model, config = load_model(llama_dir, "bfloat16", "cpu")
+    mlps = [m for m in model.modules() if type(m) is MLP]
+    assert mlps and all(m.swiglu is not None and m.gate_up_proj.gemm is None for m in mlps)
+    x = torch.randn(9, config.hidden_size).bfloat16()
+    with torch.no_grad():
+        ours = mlps[0](x)
+        swiglu, mlps[0].swiglu = mlps[0].swiglu, None
+        mlps[0].gate_up_proj.pack()  # back to the plain GEMM copy
+        ref = mlps[0](x)
+    assert torch.equal(ours, ref)
+    plain = load_model(llama_dir, "bfloat16", "cpu", cpu_kernels=False)[0]
+    assert all(m.swiglu is None for m in plain.modules() if type(m) is MLP)

@@ -9,7 +9,7 @@
 // already removes them for 1-4 sequences, but with row-by-row dot products
 // that lose to the GEMM's tiles from ~5 rows. Here the layer is two parallel
 // regions around the attention kernel's own, each stage work-shared and
-// ended by a barrier.
+// ended by a barrier. The I % 16 == 0 of the SwiGLU epilogue is checked here.
 //
 // Bit for bit the module path (models/llama.py with packed_linear's GEMM and
 // the row kernels): the same bf16 roundings at the same places (bf16 residual
@@ -32,14 +32,18 @@ namespace {
 using pagemill::bf16;
 
 // Indices into the layer's pointer table (models/batched_decode.py builds it): norm weights,
-// gemm_bf16's packed weights (pack_bf16) and biases (or 0), all bf16.
+// gemm_bf16's packed weights (pack_bf16; gate_up: pack_swiglu, its bias interleaved the same
+// way) and biases (or 0), all bf16.
 enum Ptr { kInNorm, kQkvW, kQkvB, kOW, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNumPtrs };
 // Indices into the dims table.
 enum Dim { kHidden, kHeads, kKvHeads, kHeadDim, kInter, kBlockSize, kNumDims };
 
 // y[B, N] = x[B, K] W^T + b: this thread's share of the blocks, then the barrier that ends it.
-inline void linear(const bf16* x, int64_t w, int64_t bias, bf16* y, int64_t B, int64_t N, int64_t K) {
-  const pagemill::gemm::Args a{x, K, (const bf16*)w, (const bf16*)bias, y, N, B, N, K};
+// swiglu: w is the interleaved gate_up (gemm_bf16.h), y [B, N/2] = silu(gate) * up.
+inline void linear(const bf16* x, int64_t w, int64_t bias, bf16* y, int64_t B, int64_t N, int64_t K,
+                   bool swiglu = false) {
+  pagemill::gemm::Args a{x, K, (const bf16*)w, (const bf16*)bias, y, swiglu ? N / 2 : N, B, N, K};
+  a.swiglu = swiglu;
   pagemill::gemm::share(a, omp_get_thread_num(), omp_get_num_threads());
 #pragma omp barrier
 }
@@ -71,7 +75,8 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
                                  int threads) {
   const int64_t H = dims[kHidden], nh = dims[kHeads], nkv = dims[kKvHeads], D = dims[kHeadDim];
   const int64_t I = dims[kInter], bs = dims[kBlockSize];
-  if (B < 1 || nkv <= 0 || nh % nkv != 0 || D % 2 || H % 2 || I % 2 || (nh * D) % 2) return 1;
+  if (!pagemill::gemm::kDpbf16) return 1;  // the SwiGLU epilogue is AVX512-BF16's
+  if (B < 1 || nkv <= 0 || nh % nkv != 0 || D % 2 || H % 2 || I % 16 || (nh * D) % 2) return 1;
   for (int64_t b = 0; b < B; ++b) {
     if (lens[b] <= 0) return 1;
     if (slots[b] < 0 || slots[b] >= num_slots) return 2 + (int)b;
@@ -79,9 +84,9 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
   const int64_t nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk, nqk = nq + nk;
   // Scratch kept between calls (one caller thread: the shard's model runner).
   static thread_local std::vector<bf16> buf;
-  buf.resize(B * (H + nqkv + nqk + nq + H + 2 * I + I));
+  buf.resize(B * (H + nqkv + nqk + nq + H + I));
   bf16 *h = buf.data(), *qkv = h + B * H, *qk = qkv + B * nqkv, *attn = qk + B * nqk, *o = attn + B * nq;
-  bf16 *gu = o + B * H, *act = gu + B * 2 * I;
+  bf16* act = o + B * H;
   const bf16 *in_norm = (const bf16*)ptrs[kInNorm], *post_norm = (const bf16*)ptrs[kPostNorm];
 
 #pragma omp parallel num_threads(threads)
@@ -114,9 +119,7 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b)
       pagemill::rows::add_norm_row(o + b * H, residual + b * H, post_norm, eps, H, residual + b * H, h + b * H);
-    linear(h, ptrs[kGateUpW], ptrs[kGateUpB], gu, B, 2 * I, H);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < B; ++b) pagemill::rows::silu_mul_row(gu + b * 2 * I, gu + b * 2 * I + I, I, act + b * I);
+    linear(h, ptrs[kGateUpW], ptrs[kGateUpB], act, B, 2 * I, H, true);  // silu(gate) * up
     linear(act, ptrs[kDownW], ptrs[kDownB], x, B, H, I);
   }
   return 0;

@@ -5,6 +5,18 @@
 
 #include "gemm_bf16.h"
 
+namespace {
+
+void run(const pagemill::gemm::Args& a, int threads) {
+  // A team only pays when there is more than a block per thread.
+  const int64_t blocks = (a.N + pagemill::gemm::kBlock - 1) / pagemill::gemm::kBlock;
+  const int nt = blocks < 2 * threads ? 1 : threads;
+#pragma omp parallel num_threads(nt)
+  pagemill::gemm::share(a, omp_get_thread_num(), omp_get_num_threads());
+}
+
+}  // namespace
+
 extern "C" {
 
 // 1 where the AVX512-BF16 path was compiled in, 0 for the portable loop.
@@ -17,12 +29,22 @@ int pagemill_gemm_bf16(const pagemill::bf16* x, int64_t ldx, const pagemill::bf1
                        pagemill::bf16* y, int64_t ldy, int64_t M, int64_t N, int64_t K, int threads) {
   if (M < 0 || N <= 0 || K <= 0 || K % 2 != 0 || ldx < K || ldy < N) return 1;
   if (M == 0) return 0;
-  const pagemill::gemm::Args a{x, ldx, w, bias, y, ldy, M, N, K};
-  // A team only pays when there is more than a block per thread.
-  const int64_t blocks = (N + pagemill::gemm::kBlock - 1) / pagemill::gemm::kBlock;
-  const int nt = blocks < 2 * threads ? 1 : threads;
-#pragma omp parallel num_threads(nt)
-  pagemill::gemm::share(a, omp_get_thread_num(), omp_get_num_threads());
+  run(pagemill::gemm::Args{x, ldx, w, bias, y, ldy, M, N, K}, threads);
+  return 0;
+}
+
+// y [M, N/2] = silu(gate) * up of an MLP's gate_up weight packed with interleaved blocks
+// (gemm_bf16.h, gemm.py's pack_swiglu; bias interleaved the same way, or null); N % 32 == 0.
+// Returns 0, 1 on a bad shape, 2 where the build has no AVX512-BF16 (nothing written).
+int pagemill_gemm_bf16_swiglu(const pagemill::bf16* x, int64_t ldx, const pagemill::bf16* w,
+                              const pagemill::bf16* bias, pagemill::bf16* y, int64_t ldy, int64_t M, int64_t N,
+                              int64_t K, int threads) {
+  if (M < 0 || N <= 0 || N % 32 != 0 || K <= 0 || K % 2 != 0 || ldx < K || ldy < N / 2) return 1;
+  if (!pagemill::gemm::kDpbf16) return 2;
+  if (M == 0) return 0;
+  pagemill::gemm::Args a{x, ldx, w, bias, y, ldy, M, N, K};
+  a.swiglu = true;
+  run(a, threads);
   return 0;
 }
 }

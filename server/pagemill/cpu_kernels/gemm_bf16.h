@@ -24,11 +24,20 @@
 // Without AVX512-BF16 a portable loop over the same layout computes the
 // same sums in float32 (tests build it with the instructions disabled);
 // models/packed_linear.py only picks this kernel where the fast path exists.
+//
+// SwiGLU (Args::swiglu, AVX512-BF16 only): an MLP's gate_up weight packed
+// with its gate and up blocks interleaved (block 2i: gate channels
+// 16i..16i+15, block 2i+1: the same up channels; gemm.py's pack_swiglu), so
+// that a tile holds both halves of its outputs and writes
+// silu(gate) * up [M, N/2] instead of gate_up [M, N]: no second pass over a
+// [M, 2I] intermediate. The roundings are those of the two passes
+// (bf16_row_ops.h's silu_mul_row on the bf16 gate_up), bit for bit.
 #pragma once
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "bf16_row_ops.h"  // silu16, round16: the SwiGLU epilogue
 #include "vec.h"
 
 #if defined(__AVX512F__)
@@ -55,9 +64,10 @@ struct Args {
   int64_t ldx;
   const bf16* w;  // packed [Np/16][K/2][16][2]
   const bf16* bias;  // [N] or null
-  bf16* y;  // [M, N] rows `ldy` elements apart
+  bf16* y;  // [M, N] rows `ldy` elements apart ([M, N/2] with swiglu)
   int64_t ldy;
   int64_t M, N, K;
+  bool swiglu = false;  // w (and bias) interleaved gate/up blocks, y = silu(gate) * up; N % 32 == 0
 };
 
 // Weight lines of the next group of blocks a tile asks for into L2 while it
@@ -100,6 +110,22 @@ void tile(const Args& a, int64_t m0, int64_t b0, Ahead ahead) {
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) _mm512_store_ps(sums[m][j], acc[m][j]);
+  if constexpr (NB % 2 == 0) {
+    if (a.swiglu) {  // blocks j (gate) and j + 1 (up) of the same 16 outputs
+      for (int j = 0; j < NB; j += 2) {
+        const int64_t n = (b0 + j) * kBlock;  // the gate block's first row of the interleaved weight
+        const __m512 gb = a.bias ? load16(a.bias + n) : _mm512_setzero_ps();
+        const __m512 ub = a.bias ? load16(a.bias + n + kBlock) : _mm512_setzero_ps();
+        for (int m = 0; m < MR; ++m) {
+          const __m512 g = rows::round16(_mm512_add_ps(_mm512_load_ps(sums[m][j]), gb));
+          const __m512 u = rows::round16(_mm512_add_ps(_mm512_load_ps(sums[m][j + 1]), ub));
+          const __m512 act = _mm512_mul_ps(rows::round16(rows::silu16(g)), u);
+          _mm256_storeu_si256((__m256i*)(a.y + (m0 + m) * a.ldy + n / 2), narrow_bf16(act));
+        }
+      }
+      return;
+    }
+  }
   for (int j = 0; j < NB; ++j) {
     const int64_t n = (b0 + j) * kBlock;
     const int64_t valid = a.N - n < kBlock ? a.N - n : kBlock;
@@ -164,7 +190,9 @@ constexpr int64_t kMaxAheadBytes = 128 << 10;
 
 inline void share(const Args& a, int t, int nt) {
   const int64_t blocks = (a.N + kBlock - 1) / kBlock, block_bytes = a.K * kBlock * (int64_t)sizeof(bf16);
-  const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
+  // Under swiglu a thread's range holds whole (gate, up) pairs, so every tile does.
+  const int64_t unit = a.swiglu ? 2 : 1, units = blocks / unit;
+  const int64_t first = units * t / nt * unit, last = units * (t + 1) / nt * unit;
   for (int64_t c = 0; c < a.M; c += kChunkRows) {
     const int64_t rows_end = a.M - c < kChunkRows ? a.M : c + kChunkRows;
     const int64_t tiles = (rows_end - c + kTileRows - 1) / kTileRows;

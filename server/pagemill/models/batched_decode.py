@@ -10,7 +10,8 @@ the module path's bit for bit (tests/test_batched_decode.py).
 
 It applies where the module path would run exactly those functions: CPU,
 bfloat16 weights and pool, one unsharded process, every linear on
-gemm_bf16's packed weight (packed_linear.bf16_linear_path chose "kernel"),
+gemm_bf16's packed weight (packed_linear.bf16_linear_path chose "kernel";
+gate_up with the SwiGLU epilogue, layers.MLP.pack_swiglu),
 the plain Llama layer (no q/k norms, no o_proj bias, SwiGLU, no soft cap),
 decode steps of one new token per sequence above the fused layer's batch
 (models/fused_decode.py), attention through the compiled kernels (the CPU
@@ -63,6 +64,8 @@ class BatchedDecoder:
             for m in cls._linears(layer):
                 if getattr(m, "gemm", None) is None or m.packed is None or m.packed.shape[1] * 2 != m.in_features:
                     return None  # not on gemm_bf16's packing, or an odd K (padded)
+            if layer.mlp.swiglu is None:
+                return None  # gate_up not packed for the SwiGLU epilogue (MLP.pack_swiglu)
             tensors = [t for t in cls._layer_tensors(layer) if t is not None]
             if any(t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
                 return None
@@ -76,7 +79,8 @@ class BatchedDecoder:
 
     @staticmethod
     def _linears(layer: nn.Module) -> list[nn.Module]:
-        return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+        """The linears on our GEMM's packing (gate_up's is the MLP's SwiGLU one)."""
+        return [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.down_proj]
 
     @staticmethod
     def _layer_tensors(layer: nn.Module) -> list[torch.Tensor | None]:
@@ -89,9 +93,10 @@ class BatchedDecoder:
 
     def _pointer_table(self, layer: nn.Module) -> torch.Tensor:
         attn, mlp = layer.self_attn, layer.mlp
+        _, swiglu_w, swiglu_b = mlp.swiglu
         entries = [layer.input_layernorm.weight, attn.qkv_proj.packed, attn.qkv_proj.bias, attn.o_proj.packed,
-                   layer.post_attention_layernorm.weight, mlp.gate_up_proj.packed, mlp.gate_up_proj.bias,
-                   mlp.down_proj.packed, mlp.down_proj.bias]  # fmt: skip
+                   layer.post_attention_layernorm.weight, swiglu_w, swiglu_b, mlp.down_proj.packed,
+                   mlp.down_proj.bias]  # fmt: skip
         assert len(entries) == self._kernels.batched_ptrs
         self._held += [t for t in entries if t is not None]
         return torch.tensor([0 if t is None else t.data_ptr() for t in entries], dtype=torch.int64)

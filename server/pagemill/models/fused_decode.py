@@ -80,7 +80,8 @@ class FusedDecoder:
         self._eps = eps
         self.dtype = dtype
         self.int8 = int8
-        gemm = dtype == torch.bfloat16 and getattr(getattr(layers[0].mlp, "gate_up_proj", None), "gemm", None) is not None
+        # (qkv's: gate_up's GEMM copy may have moved to the MLP's SwiGLU packing, layers.MLP.pack_swiglu)
+        gemm = dtype == torch.bfloat16 and getattr(getattr(layers[0].self_attn, "qkv_proj", None), "gemm", None) is not None
         if int8:
             bound = FUSED_MAX_BATCH_INT8
         elif dtype == torch.float32:

@@ -207,6 +207,11 @@ class LlamaForCausalLM(nn.Module):
         """Builds the CPU-packed weight copies (see packed_linear) and, with cpu_kernels, the
         single-token fused decode (see fused_decode); call after loading."""
         n = pack_all(self, cpu_kernels)
+        for m in self.modules():
+            if type(m) is MLP:  # subclasses (GeGLU) have their own activation
+                m.swiglu = None
+                if cpu_kernels:
+                    m.pack_swiglu()
         self.model.fused = None
         if isinstance(self.model, LlamaModel):
             self.model.batched = None
