@@ -28,6 +28,7 @@ from torch import nn
 
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.cpu_kernels import DecodeKernels
+from pagemill.models.fused_decode import LayerDims, step_tables
 from pagemill.models.layers import MLP, RMSNorm
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -39,9 +40,8 @@ class BatchedDecoder:
         self._eps = eps
         attn, mlp = layers[0].self_attn, layers[0].mlp
         self._scale = attn.scale
-        self._dims_base = [layers[0].input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
-                           attn.head_dim, mlp.intermediate_size]  # fmt: skip
-        self._dims: dict[int, torch.Tensor] = {}  # block_size -> dims table
+        self._dims = LayerDims([layers[0].input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
+                                attn.head_dim, mlp.intermediate_size])  # fmt: skip
         self._held: list[torch.Tensor] = []  # what the tables point at, kept alive
         self._tables = [self._pointer_table(layer) for layer in layers]
         self._windows = [layer.self_attn.sliding_window or 0 for layer in layers]
@@ -120,13 +120,8 @@ class BatchedDecoder:
         residual = torch.empty_like(x)
         cos, sin = cos.contiguous(), sin.contiguous()
         k0 = kv_caches[0][0]
-        block_size = k0.shape[1]
-        dims = self._dims.get(block_size)
-        if dims is None:
-            dims = self._dims[block_size] = torch.tensor(self._dims_base + [block_size], dtype=torch.int64)
-        tables = meta.block_tables.to(torch.int32).contiguous()
-        lens = meta.context_lens.to(torch.int32).contiguous()
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        dims = self._dims(k0.shape[1])
+        tables, lens, slots = step_tables(meta)
         num_slots = k0.shape[0] * k0.shape[1]
         b, threads = x.shape[0], torch.get_num_threads()
         fn = self._kernels.batched_bf16

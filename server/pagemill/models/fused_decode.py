@@ -72,6 +72,28 @@ FUSED_MAX_BATCH_INT8 = 8
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
+class LayerDims:
+    """A decode layer kernel's dims table (the model's shape, then the pool's block size), one
+    tensor per block size, made once."""
+
+    def __init__(self, base: list[int]) -> None:
+        self._base = base
+        self._by_block: dict[int, torch.Tensor] = {}
+
+    def __call__(self, block_size: int) -> torch.Tensor:
+        dims = self._by_block.get(block_size)
+        if dims is None:
+            dims = self._by_block[block_size] = torch.tensor(self._base + [block_size], dtype=torch.int64)
+        return dims
+
+
+def step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(block tables int32, context lens int32, slot mapping int64), contiguous, as the compiled
+    decode layers read a step's metadata."""
+    return (meta.block_tables.to(torch.int32).contiguous(), meta.context_lens.to(torch.int32).contiguous(),
+            meta.slot_mapping.to(torch.int64).contiguous())  # fmt: skip
+
+
 class FusedDecoder:
     def __init__(self, layers: nn.ModuleList, kernels: DecodeKernels, eps: float, dtype: torch.dtype,
                  int8: bool = False) -> None:  # fmt: skip
@@ -94,9 +116,8 @@ class FusedDecoder:
         first = layers[0]
         attn, mlp = first.self_attn, first.mlp
         self._scale = attn.scale
-        self._dims_base = [first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                           mlp.intermediate_size]  # fmt: skip
-        self._dims: dict[int, torch.Tensor] = {}  # block_size -> dims table
+        self._dims = LayerDims([first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
+                                attn.head_dim, mlp.intermediate_size])  # fmt: skip
         self._held: list[torch.Tensor] = []
         self._tables = [self._pointer_table(layer) for layer in layers]
         # Each layer's sliding window (0: global), as the kernel takes it.
@@ -176,13 +197,8 @@ class FusedDecoder:
         # The kernel updates the residual stream in place, in float32.
         x = x.to(torch.float32, copy=True).contiguous()
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
-        block_size = kv_caches[0][0].shape[1]
-        dims = self._dims.get(block_size)
-        if dims is None:
-            dims = self._dims[block_size] = torch.tensor(self._dims_base + [block_size], dtype=torch.int64)
-        tables = meta.block_tables.to(torch.int32).contiguous()
-        lens = meta.context_lens.to(torch.int32).contiguous()
-        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        dims = self._dims(kv_caches[0][0].shape[1])
+        tables, lens, slots = step_tables(meta)
         b = x.shape[0]
         args = (dims.data_ptr(), self._eps, self._scale, cos.data_ptr(), sin.data_ptr())
         rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), torch.get_num_threads())
