@@ -65,7 +65,6 @@ class GemmBf16Kernel:
             raise ValueError(f"bf16 gemm rejected x {tuple(x.shape)}, {out_features} outputs")
         return y
 
-
     def swiglu(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] bf16 (unit stride in K, K even), packed from pack_swiglu of a [2I, K] gate_up,
         bias interleave_swiglu of its [2I] bias or None -> silu(gate) * up [M, I] bf16, rounded as

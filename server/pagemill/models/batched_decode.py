@@ -116,7 +116,7 @@ class BatchedDecoder:
         """x [B, hidden] bf16 (each sequence's embedded token), cos/sin [B, head_dim] bf16 ->
         (the last layer's MLP output, the residual stream it adds to), as the module path's
         layers leave them."""
-        x = x.contiguous().clone()  # updated in place, layer by layer
+        x = x.clone(memory_format=torch.contiguous_format)  # updated in place, layer by layer (one copy)
         residual = torch.empty_like(x)
         cos, sin = cos.contiguous(), sin.contiguous()
         k0 = kv_caches[0][0]
