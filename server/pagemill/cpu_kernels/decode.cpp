@@ -234,16 +234,32 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
   }
   const int64_t group = nh / nkv, nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk;
 
+  // Attention by spans of all heads where the shape allows (paged_attention_spans.h):
+  // the per-kv-head loop gave the team B x kv_heads tasks, 3 for one sequence of the
+  // default model (2 and 1 on two threads), and read each block's rows a head at a time.
+#if defined(__AVX512F__)
+  const bool by_spans = pagemill::spans_apply<T>(D, group);
+  const pagemill::SpanPlan plan = pagemill::plan_spans(lens, B, nh, D, threads);
+#else
+  const bool by_spans = false;
+#endif
   // Scratch shared by the threads of the region below; kept between calls.
   static thread_local std::vector<float> buf;
-  buf.resize(B * (nqkv + nq + 2 * I + I) + B * nh * max_len);
+  const int64_t score_floats = by_spans ? 0 : B * nh * max_len;
+#if defined(__AVX512F__)
+  const int64_t part_floats = by_spans ? plan.parts_floats() : 0;
+#else
+  const int64_t part_floats = 0;
+#endif
+  buf.resize(B * (nqkv + nq + 2 * I + I) + score_floats + part_floats);
   float *qkv = buf.data(), *attn = qkv + B * nqkv, *gu = attn + B * nq, *act = gu + B * 2 * I;
-  float* scores = act + B * I;
+  float *scores = act + B * I, *parts = scores + score_floats;
   const int64_t widest = H > nq ? (H > I ? H : I) : (nq > I ? nq : I);
 
-  // Five barriers per layer (the ends of the linears and of attention): each
-  // thread normalises x into its own buffer instead of one thread doing it
-  // behind a barrier, and rotary + KV write run per kv head with attention.
+  // Few barriers per layer (the ends of the linears and of attention; by spans,
+  // one more after the KV write and one after a merge): each thread normalises x
+  // into its own buffer instead of one thread doing it behind a barrier, and
+  // rotary + KV write run per kv head (with attention where not by spans).
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> own;  // this thread's normalised x [B, H]
@@ -264,12 +280,19 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
           kc[d] = from_float<T>(k[d]);
           vc[d] = from_float<T>(v[d]);
         }
+        if (by_spans) continue;
         const PagedKV<T> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
         attend_group(q, D, group, kv, j, first_key(lens[b], window), lens[b], scale,
                      scores + (b * nh + j * group) * max_len,
                      attn + b * nq + j * group * D, D);
       }
     }
+#if defined(__AVX512F__)
+    // After the loop's barrier: every new token's k/v is in the pool.
+    if (by_spans)
+      pagemill::attend_spans_in_region(qkv, nqkv, k_cache, v_cache, block_tables, width, lens, attn, B, nh, nkv, D,
+                                       bs, scale, window, plan, parts);
+#endif
     linear(kO, B, attn, x, H, nq, true);  // residual add
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, post_norm, eps, H, xn + b * H);
     linear(kGateUp, B, xn, gu, 2 * I, H, false);

@@ -244,84 +244,137 @@ inline void finish_head(const float* acc, float l, T* out) {
   for (int64_t d = 0; d < 16 * NV; ++d) out[d] = from_float<T>(o[d]);
 }
 
+// How attend_batch_spans cuts a step: `spans` per sequence, `grab` tasks at a
+// time, and the floats of merge scratch it needs (0 with one span).
+struct SpanPlan {
+  int64_t spans, tasks, grab, part;
+  int64_t parts_floats() const { return spans > 1 ? tasks * part : 0; }
+};
+inline SpanPlan plan_spans(const int32_t* lens, int64_t B, int64_t nh, int64_t D, int threads) {
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < B; ++b) max_len = lens[b] > max_len ? lens[b] : max_len;
+  const int64_t spans = spans_per_sequence(B, max_len, threads), tasks = B * spans;
+  return {spans, tasks, tasks_per_grab(tasks, threads), nh * (D + 2)};
+}
+
+// The tasks of a SpanPlan: one per (sequence, span). An orphaned `omp for`:
+// inside a parallel region the team shares them (and ends on its barrier),
+// outside one the calling thread runs them all. With one span per sequence
+// each task writes its heads' outputs; else its state goes to `parts` for
+// merge_spans.
+template <int NV, typename T, typename C>
+void span_tasks(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int32_t* block_tables,
+                int64_t width, const int32_t* lens, T* out, int64_t nh, int64_t nkv, int64_t bs, float scale,
+                int64_t window, const SpanPlan& plan, float* parts) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t group = nh / nkv, spans = plan.spans, tasks = plan.tasks, part = plan.part;
+  std::vector<QueryRow<C>> qr(nh);
+  std::vector<float> qf(nh * D), own(part), scores;
+  int64_t last = -2;  // the task this thread ran before
+#pragma omp for schedule(dynamic, plan.grab)
+  for (int64_t i = 0; i < tasks; ++i) {
+    const bool cold = i != last + 1;
+    last = i;
+    const Span sp = span_of(i, spans, lens, bs, window);
+    float* st = spans > 1 ? parts + i * part : own.data();
+    const HeadState hs{st, st + nh, st + 2 * nh};
+    for (int64_t h = 0; h < nh; ++h) hs.m[h] = -INFINITY, hs.l[h] = 0.f;
+    memset(hs.acc, 0, nh * D * sizeof(float));
+    if (sp.t0 < sp.t1) {
+      const T* qb = q + sp.b * q_stride;
+      for (int64_t x = 0; x < nh * D; ++x) qf[x] = to_float(qb[x]);
+      for (int64_t h = 0; h < nh; ++h) {
+        if constexpr (QueryRow<C>::kDp) {
+#if defined(__AVX512BF16__)
+          const float* qh = qf.data() + h * D;
+          for (int64_t c = 0; c < D / 32; ++c)
+            qr[h].q[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qh + 32 * c + 16), _mm512_loadu_ps(qh + 32 * c));
+#endif
+        } else {
+          qr[h].q = qf.data() + h * D;
+        }
+      }
+      const Span nx = i + 1 < tasks ? span_of(i + 1, spans, lens, bs, window) : Span{0, 0, 0};
+      const int32_t* next = nx.t0 < nx.t1 ? block_tables + nx.b * width + nx.t0 / bs : nullptr;
+      const PagedKV<C> kv{k_cache, v_cache, block_tables + sp.b * width, bs, nkv, D};
+      const int64_t ld = sp.t1 - sp.t0 + 16;
+      scores.resize(nh * ld);
+      attend_span<NV>(qr.data(), kv, group, sp.t0, sp.t1, scale, cold, next, hs, scores.data(), ld);
+    }
+    if (spans == 1)
+      for (int64_t h = 0; h < nh; ++h) finish_head<NV, C>(hs.acc + h * D, hs.l[h], out + (sp.b * nh + h) * D);
+  }
+}
+
+// Each sequence's spans merged into its outputs: rescaled to the largest max,
+// added. An orphaned `omp for` over (sequence, head), after span_tasks.
+template <int NV, typename C, typename T>
+void merge_spans(const float* parts, T* out, int64_t B, int64_t nh, const SpanPlan& plan) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t spans = plan.spans, part = plan.part;
+  float acc[D];
+#pragma omp for schedule(static)
+  for (int64_t bh = 0; bh < B * nh; ++bh) {
+    const int64_t b = bh / nh, h = bh % nh;
+    float m = -INFINITY, l = 0.f;
+    for (int64_t s = 0; s < spans; ++s) {
+      const float ms = parts[(b * spans + s) * part + h];
+      m = ms > m ? ms : m;
+    }
+    for (int64_t x = 0; x < D; ++x) acc[x] = 0.f;
+    if (m > -INFINITY) {
+      for (int64_t s = 0; s < spans; ++s) {
+        const float* st = parts + (b * spans + s) * part;
+        if (st[nh + h] == 0.f) continue;
+        const float w = expf(st[h] - m);
+        l += st[nh + h] * w;
+        for (int64_t x = 0; x < D; ++x) acc[x] += st[2 * nh + h * D + x] * w;
+      }
+    }
+    finish_head<NV, C>(acc, l, out + (b * nh + h) * D);
+  }
+}
+
+// Both, inside the caller's parallel region (`threads` its size; every
+// thread passes the same arguments): the team's attention for a step whose
+// layer is one region (decode.cpp). parts: plan_spans(...).parts_floats(),
+// shared by the team. False when the shape is not one spans take.
+template <typename T, typename C>
+bool attend_spans_in_region(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,
+                            const int32_t* block_tables, int64_t width, const int32_t* lens, T* out, int64_t B,
+                            int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int64_t window,
+                            const SpanPlan& plan, float* parts) {
+  switch (D / 16) {
+#define PAGEMILL_SPANS_REGION(nv)                                                                             \
+  case nv:                                                                                                    \
+    span_tasks<nv>(q, q_stride, k_cache, v_cache, block_tables, width, lens, out, nh, nkv, bs, scale, window, \
+                   plan, parts);                                                                              \
+    if (plan.spans > 1) merge_spans<nv, C>(parts, out, B, nh, plan);                                          \
+    return true;
+    PAGEMILL_SPANS_REGION(2) PAGEMILL_SPANS_REGION(4) PAGEMILL_SPANS_REGION(5)
+    PAGEMILL_SPANS_REGION(6) PAGEMILL_SPANS_REGION(8) PAGEMILL_SPANS_REGION(16)
+#undef PAGEMILL_SPANS_REGION
+    default:
+      return false;
+  }
+}
+
 // attend_batch (paged_attention.h) by spans of all heads: one task per
 // (sequence, span), the spans merged when a sequence has more than one.
 template <int NV, typename T, typename C>
 void attend_batch_spans(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                         int64_t width, const int32_t* lens, T* out, int64_t B, int64_t nh, int64_t nkv, int64_t bs,
                         float scale, int64_t window, int threads, bool parallel) {
-  constexpr int64_t D = 16 * NV;
-  const int64_t group = nh / nkv;
-  int64_t max_len = 0;
-  for (int64_t b = 0; b < B; ++b) max_len = lens[b] > max_len ? lens[b] : max_len;
-  const int64_t spans = spans_per_sequence(B, max_len, parallel ? threads : 1), tasks = B * spans;
-  const int64_t grab = tasks_per_grab(tasks, parallel ? threads : 1);
+  const SpanPlan plan = plan_spans(lens, B, nh, 16 * NV, parallel ? threads : 1);
   // Each span's state when there are several: [task][heads] of (m, l, acc[D]).
   static thread_local std::vector<float> parts;
-  const int64_t part = nh * (D + 2);
-  if (spans > 1) parts.resize(tasks * part);
+  parts.resize(plan.parts_floats());
   float* const parts_data = parts.data();
 #pragma omp parallel num_threads(threads) if (parallel)
   {
-    std::vector<QueryRow<C>> qr(nh);
-    std::vector<float> qf(nh * D), own(part), scores;
-    int64_t last = -2;  // the task this thread ran before
-#pragma omp for schedule(dynamic, grab)
-    for (int64_t i = 0; i < tasks; ++i) {
-      const bool cold = i != last + 1;
-      last = i;
-      const Span sp = span_of(i, spans, lens, bs, window);
-      float* st = spans > 1 ? parts_data + i * part : own.data();
-      const HeadState hs{st, st + nh, st + 2 * nh};
-      for (int64_t h = 0; h < nh; ++h) hs.m[h] = -INFINITY, hs.l[h] = 0.f;
-      memset(hs.acc, 0, nh * D * sizeof(float));
-      if (sp.t0 < sp.t1) {
-        const T* qb = q + sp.b * q_stride;
-        for (int64_t x = 0; x < nh * D; ++x) qf[x] = to_float(qb[x]);
-        for (int64_t h = 0; h < nh; ++h) {
-          if constexpr (QueryRow<C>::kDp) {
-#if defined(__AVX512BF16__)
-            const float* qh = qf.data() + h * D;
-            for (int64_t c = 0; c < D / 32; ++c)
-              qr[h].q[c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(qh + 32 * c + 16), _mm512_loadu_ps(qh + 32 * c));
-#endif
-          } else {
-            qr[h].q = qf.data() + h * D;
-          }
-        }
-        const Span nx = i + 1 < tasks ? span_of(i + 1, spans, lens, bs, window) : Span{0, 0, 0};
-        const int32_t* next = nx.t0 < nx.t1 ? block_tables + nx.b * width + nx.t0 / bs : nullptr;
-        const PagedKV<C> kv{k_cache, v_cache, block_tables + sp.b * width, bs, nkv, D};
-        const int64_t ld = sp.t1 - sp.t0 + 16;
-        scores.resize(nh * ld);
-        attend_span<NV>(qr.data(), kv, group, sp.t0, sp.t1, scale, cold, next, hs, scores.data(), ld);
-      }
-      if (spans == 1)
-        for (int64_t h = 0; h < nh; ++h) finish_head<NV, C>(hs.acc + h * D, hs.l[h], out + (sp.b * nh + h) * D);
-    }
-  }
-  if (spans == 1) return;
-  // Merge each sequence's spans: rescale each to the largest max, add.
-  std::vector<float> acc(D);
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t h = 0; h < nh; ++h) {
-      float m = -INFINITY, l = 0.f;
-      for (int64_t s = 0; s < spans; ++s) {
-        const float ms = parts_data[(b * spans + s) * part + h];
-        m = ms > m ? ms : m;
-      }
-      for (int64_t x = 0; x < D; ++x) acc[x] = 0.f;
-      if (m > -INFINITY) {
-        for (int64_t s = 0; s < spans; ++s) {
-          const float* st = parts_data + (b * spans + s) * part;
-          if (st[nh + h] == 0.f) continue;
-          const float w = expf(st[h] - m);
-          l += st[nh + h] * w;
-          for (int64_t x = 0; x < D; ++x) acc[x] += st[2 * nh + h * D + x] * w;
-        }
-      }
-      finish_head<NV, C>(acc.data(), l, out + (b * nh + h) * D);
-    }
+    span_tasks<NV>(q, q_stride, k_cache, v_cache, block_tables, width, lens, out, nh, nkv, bs, scale, window, plan,
+                   parts_data);
+    if (plan.spans > 1) merge_spans<NV, C>(parts_data, out, B, nh, plan);
   }
 }
 
