@@ -89,6 +89,20 @@ def test_batched_equals_module_path_on_default_model(default_model_dir):
 
 
 @needs_gemm
+@pytest.mark.parametrize("lens", [[150, 171, 133, 190, 162, 145], [330, 301, 345, 318, 322, 311]])
+def test_batched_equals_module_path_where_attention_is_cut_into_spans(default_model_dir, lens):
+    """6 sequences on two threads: under attend_batch's threshold for the threads (the layer's
+    tasks still shared by both) and above it (2 spans a sequence, merged inside the layer)."""
+    model, config = load(default_model_dir)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        assert compare_steps(model, config, lens, steps=2, num_blocks=sum(lens) // 2) == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_gemm
 def test_batched_decoder_applies_only_where_it_computes_the_module_path(llama_dir):
     model, config = load(llama_dir)
     batched = model.model.batched

@@ -7,9 +7,10 @@
 // ~11 ms (docs/cpu.md): each is a ctypes or aten call of 20-60 us that wakes
 // the OpenMP team for a few microseconds of work. decode.cpp's fused layer
 // already removes them for 1-4 sequences, but with row-by-row dot products
-// that lose to the GEMM's tiles from ~5 rows. Here the layer is two parallel
-// regions around the attention kernel's own, each stage work-shared and
-// ended by a barrier. The I % 16 == 0 of the SwiGLU epilogue is checked here.
+// that lose to the GEMM's tiles from ~5 rows. Here the layer is one parallel
+// region (attention's span tasks shared by the team between the stages; two
+// regions around attend_batch's own for shapes spans do not take), each stage
+// work-shared and ended by a barrier. The I % 16 == 0 of the SwiGLU epilogue is checked here.
 //
 // Bit for bit the module path (models/llama.py with packed_linear's GEMM and
 // the row kernels): the same bf16 roundings at the same places (bf16 residual
@@ -48,11 +49,6 @@ inline void linear(const bf16* x, int64_t w, int64_t bias, bf16* y, int64_t B, i
 #pragma omp barrier
 }
 
-// Attention takes the threads from this much work (keys x heads x head_dim), below
-// attend_batch's default: the layer's other stages run on them anyway, so the team is
-// awake. Measured (default model, 2 threads, 8 sequences of ~175 tokens, whose
-// 806K is under the default): the step's attention 2.9 -> 1.6 ms, the step 13.4 -> 12.3 ms.
-constexpr int64_t kParallelAttention = 1 << 16;
 
 }  // namespace
 
@@ -89,8 +85,8 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
   bf16* act = o + B * H;
   const bf16 *in_norm = (const bf16*)ptrs[kInNorm], *post_norm = (const bf16*)ptrs[kPostNorm];
 
-#pragma omp parallel num_threads(threads)
-  {
+  // The layer's stages before and after attention; each thread runs them inside a region.
+  const auto before = [&] {
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b) {
       if (first) {
@@ -109,19 +105,44 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
       memcpy(k_cache + slots[b] * nk, qk + b * nqk + nq, nk * sizeof(bf16));
       memcpy(v_cache + slots[b] * nk, qkv + b * nqkv + nqk, nk * sizeof(bf16));
     }
-  }
-  if (pagemill::attend_batch<bf16, bf16>(qk, nqk, k_cache, v_cache, block_tables, width, lens, attn, B, nh, nkv, D,
-                                         bs, scale, window, threads, kParallelAttention))
-    return 1;
-#pragma omp parallel num_threads(threads)
-  {
+  };
+  const auto after = [&] {
     linear(attn, ptrs[kOW], 0, o, B, H, nq);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b)
       pagemill::rows::add_norm_row(o + b * H, residual + b * H, post_norm, eps, H, residual + b * H, h + b * H);
     linear(h, ptrs[kGateUpW], ptrs[kGateUpB], act, B, 2 * I, H, true);  // silu(gate) * up
     linear(act, ptrs[kDownW], ptrs[kDownB], x, B, H, I);
+  };
+#if defined(__AVX512F__)
+  if (pagemill::spans_apply<bf16>(D, nh / nkv)) {
+    // One region: attention's tasks shared by the team between the stages. The spans
+    // are cut as attend_batch cuts them (bit for bit the module path), whichever
+    // threads then run them.
+    int64_t work = 0;
+    for (int64_t b = 0; b < B; ++b) work += lens[b];
+    const bool parallel = work * nh * D >= pagemill::kAttendParallelWork;
+    const pagemill::SpanPlan plan = pagemill::plan_spans(lens, B, nh, D, parallel ? threads : 1);
+    static thread_local std::vector<float> parts;
+    parts.resize(plan.parts_floats());
+    float* const parts_data = parts.data();
+#pragma omp parallel num_threads(threads)
+    {
+      before();
+      pagemill::attend_spans_in_region(qk, nqk, k_cache, v_cache, block_tables, width, lens, attn, B, nh, nkv, D, bs,
+                                       scale, window, plan, parts_data);
+      after();
+    }
+    return 0;
   }
+#endif
+#pragma omp parallel num_threads(threads)
+  before();
+  if (pagemill::attend_batch<bf16, bf16>(qk, nqk, k_cache, v_cache, block_tables, width, lens, attn, B, nh, nkv, D,
+                                         bs, scale, window, threads))
+    return 1;
+#pragma omp parallel num_threads(threads)
+  after();
   return 0;
 }
 }
