@@ -198,3 +198,21 @@ def test_markdown_table_names_a_server_with_no_finished_run():
     table = rep.markdown_table(rows, {}, "vllm-bf16", ("llamacpp-bf16",), concurrency=16)
     assert "out tok/s c=16" in table.splitlines()[0]
     assert "no run finished" in table.splitlines()[2]
+
+
+def test_batch1_requests_take_the_chosen_prompt_length(default_model_dir):
+    from argparse import Namespace
+    from pathlib import Path
+
+    from tokenizers import Tokenizer
+
+    from pagemill.bench.compare import workload_requests
+
+    tok = Tokenizer.from_file(str(Path(default_model_dir) / "tokenizer.json"))
+    a = Namespace(num_prompts=2, input_min=32, input_max=40, output_min=8, output_max=8, seed=0, concurrency=2,
+                  batch1_prompts=3, batch1_input_len=300, batch1_output_len=16)  # fmt: skip
+    main, b1, _ = workload_requests(a, tok)
+    assert [r.output_len for r in b1] == [16, 16, 16]
+    # PromptMaker's text re-encodes to about the asked length (word boundaries may merge a token).
+    assert all(295 <= r.prompt_len <= 300 for r in b1), [r.prompt_len for r in b1]
+    assert all(30 <= r.prompt_len <= 40 for r in main)

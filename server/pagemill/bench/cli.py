@@ -118,6 +118,7 @@ def _add_compare_parser(bsub) -> None:
     c.add_argument("--output-min", type=int, default=16)
     c.add_argument("--output-max", type=int, default=256)
     c.add_argument("--batch1-prompts", type=int, default=4, help="sequential requests of the batch-1 run")
+    c.add_argument("--batch1-input-len", type=int, default=64, help="prompt tokens of each batch-1 request")
     c.add_argument("--batch1-output-len", type=int, default=128)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--idle-load", type=float, default=1.0, help="wait for a 1-min load average below this")

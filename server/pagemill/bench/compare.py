@@ -200,7 +200,7 @@ def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs
         "tpot_p50_ms": main["tpot"]["percentiles_ms"]["p50"],
         "batch1_ms_per_token": b1["tpot"]["median_ms"] if b1["completed"] else None,
         "rss_mib": out["rss_mib"], "tokens_ok": check.ok and b1check.ok, "token_note": note,
-        "batch1_floor_ms": batch1_floor_ms(model_cfg, machine, config.precision, 64 + a.batch1_output_len // 2),
+        "batch1_floor_ms": batch1_floor_ms(model_cfg, machine, config.precision, a.batch1_input_len + a.batch1_output_len // 2),
         "ceiling_tok_s": workload_ceiling(model_cfg, machine, config.precision, main_reqs),
         "bandwidth_gbs": machine.sum_gbs,  # the read rate the floors use (compare_floors.py)
     }  # fmt: skip
@@ -226,7 +226,8 @@ def _step_accounting(before, after) -> dict | None:
 
 def workload_requests(a, tok):
     main = uniform_dataset(tok, a.num_prompts, a.input_min, a.input_max, a.output_min, a.output_max, a.seed)
-    b1 = uniform_dataset(tok, a.batch1_prompts, 64, 64, a.batch1_output_len, a.batch1_output_len, a.seed + 1)
+    b1 = uniform_dataset(tok, a.batch1_prompts, a.batch1_input_len, a.batch1_input_len, a.batch1_output_len,
+                         a.batch1_output_len, a.seed + 1)  # fmt: skip
     # Unlike the measured prompts, so no server starts with them in a prefix cache.
     w = uniform_dataset(tok, min(8, a.concurrency), 32, 64, 8, 8, a.seed + 2)
     return main, b1, w
