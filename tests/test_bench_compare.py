@@ -213,6 +213,6 @@ def test_batch1_requests_take_the_chosen_prompt_length(default_model_dir):
                   batch1_prompts=3, batch1_input_len=300, batch1_output_len=16)  # fmt: skip
     main, b1, _ = workload_requests(a, tok)
     assert [r.output_len for r in b1] == [16, 16, 16]
-    # PromptMaker's text re-encodes to about the asked length (word boundaries may merge a token).
+    # PromptMaker's text re-encodes to about the asked length (word boundaries may merge tokens).
     assert all(295 <= r.prompt_len <= 300 for r in b1), [r.prompt_len for r in b1]
     assert all(30 <= r.prompt_len <= 40 for r in main)

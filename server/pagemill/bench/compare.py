@@ -200,7 +200,8 @@ def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs
         "tpot_p50_ms": main["tpot"]["percentiles_ms"]["p50"],
         "batch1_ms_per_token": b1["tpot"]["median_ms"] if b1["completed"] else None,
         "rss_mib": out["rss_mib"], "tokens_ok": check.ok and b1check.ok, "token_note": note,
-        "batch1_floor_ms": batch1_floor_ms(model_cfg, machine, config.precision, a.batch1_input_len + a.batch1_output_len // 2),
+        "batch1_floor_ms": batch1_floor_ms(model_cfg, machine, config.precision,
+                                           a.batch1_input_len + a.batch1_output_len // 2),
         "ceiling_tok_s": workload_ceiling(model_cfg, machine, config.precision, main_reqs),
         "bandwidth_gbs": machine.sum_gbs,  # the read rate the floors use (compare_floors.py)
     }  # fmt: skip

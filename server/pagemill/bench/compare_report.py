@@ -170,8 +170,8 @@ def summary_markdown(res: dict, table: str) -> str:
              f"CPU: {cpu_line(res['cpu'])}", "",
              f"Workload: {a['num_prompts']} requests at {a['concurrency']} concurrent, prompts {a['input_min']}-"
              f"{a['input_max']} tokens, outputs {a['output_min']}-{a['output_max']} tokens (ignore EOS), seed "
-             f"{a['seed']}; batch-1: {a['batch1_prompts']} sequential requests of {a.get('batch1_input_len', 64)} prompt + "
-             f"{a['batch1_output_len']} output tokens. Medians of {min(runs, default=0)}-{max(runs, default=0)} "
+             f"{a['seed']}; batch-1: {a['batch1_prompts']} sequential requests of "
+             f"{a.get('batch1_input_len', 64)} prompt + {a['batch1_output_len']} output tokens. Medians of {min(runs, default=0)}-{max(runs, default=0)} "
              "fresh-start runs per server; RSS: the whole process tree after warm-up.", "",
              table, "", f"Command: `{res['command']}`", ""]  # fmt: skip
     loads = [f"{s['name']} " + "/".join(f"{r['load_before']:.1f}" for r in s["runs"] if "load_before" in r)

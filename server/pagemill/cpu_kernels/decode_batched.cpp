@@ -10,7 +10,8 @@
 // that lose to the GEMM's tiles from ~5 rows. Here the layer is one parallel
 // region (attention's span tasks shared by the team between the stages; two
 // regions around attend_batch's own for shapes spans do not take), each stage
-// work-shared and ended by a barrier. The I % 16 == 0 of the SwiGLU epilogue is checked here.
+// work-shared and ended by a barrier. The I % 16 == 0 of the SwiGLU epilogue
+// is checked here.
 //
 // Bit for bit the module path (models/llama.py with packed_linear's GEMM and
 // the row kernels): the same bf16 roundings at the same places (bf16 residual
@@ -48,7 +49,6 @@ inline void linear(const bf16* x, int64_t w, int64_t bias, bf16* y, int64_t B, i
   pagemill::gemm::share(a, omp_get_thread_num(), omp_get_num_threads());
 #pragma omp barrier
 }
-
 
 }  // namespace
 

@@ -335,10 +335,11 @@ void merge_spans(const float* parts, T* out, int64_t B, int64_t nh, const SpanPl
   }
 }
 
-// Both, inside the caller's parallel region (`threads` its size; every
-// thread passes the same arguments): the team's attention for a step whose
-// layer is one region (decode.cpp). parts: plan_spans(...).parts_floats(),
-// shared by the team. False when the shape is not one spans take.
+// Both, called by every thread of the caller's parallel region with the same
+// arguments: the team's attention inside a layer that is one region
+// (decode.cpp, decode_batched.cpp). parts: plan.parts_floats() floats shared
+// by the team. False (nothing computed) for a head size spans do not take;
+// spans_apply(D, group) rules that out.
 template <typename T, typename C>
 bool attend_spans_in_region(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache,
                             const int32_t* block_tables, int64_t width, const int32_t* lens, T* out, int64_t B,
