@@ -21,6 +21,11 @@ def stopped_after(server):
     (tests that stop it themselves leave nothing to do)."""
     try:
         yield server
+    except BaseException:
+        # Shown with the failure (pytest prints what the test wrote): a hang or a timeout
+        # is otherwise diagnosed without the server's side of it.
+        print(f"--- the server's last {len(server.log)} log lines ---\n{server.logs()}")
+        raise
     finally:
         if server.proc.poll() is None:
             try:
