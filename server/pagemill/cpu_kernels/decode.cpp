@@ -240,17 +240,14 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
 #if defined(__AVX512F__)
   const bool by_spans = pagemill::spans_apply<T>(D, group);
   const pagemill::SpanPlan plan = pagemill::plan_spans(lens, B, nh, D, threads);
+  const int64_t part_floats = by_spans ? plan.parts_floats() : 0;
 #else
   const bool by_spans = false;
+  const int64_t part_floats = 0;
 #endif
   // Scratch shared by the threads of the region below; kept between calls.
   static thread_local std::vector<float> buf;
   const int64_t score_floats = by_spans ? 0 : B * nh * max_len;
-#if defined(__AVX512F__)
-  const int64_t part_floats = by_spans ? plan.parts_floats() : 0;
-#else
-  const int64_t part_floats = 0;
-#endif
   buf.resize(B * (nqkv + nq + 2 * I + I) + score_floats + part_floats);
   float *qkv = buf.data(), *attn = qkv + B * nqkv, *gu = attn + B * nq, *act = gu + B * 2 * I;
   float *scores = act + B * I, *parts = scores + score_floats;

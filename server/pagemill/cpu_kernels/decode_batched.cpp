@@ -119,9 +119,7 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
     // One region: attention's tasks shared by the team between the stages. The spans
     // are cut as attend_batch cuts them (bit for bit the module path), whichever
     // threads then run them.
-    int64_t work = 0;
-    for (int64_t b = 0; b < B; ++b) work += lens[b];
-    const bool parallel = work * nh * D >= pagemill::kAttendParallelWork;
+    const bool parallel = pagemill::attend_takes_threads(lens, B, nh, D);
     const pagemill::SpanPlan plan = pagemill::plan_spans(lens, B, nh, D, parallel ? threads : 1);
     static thread_local std::vector<float> parts;
     parts.resize(plan.parts_floats());

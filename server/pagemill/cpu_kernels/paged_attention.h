@@ -433,15 +433,21 @@ namespace pagemill {
 // sequences went from 29 to 70 ms a step under load).
 constexpr int64_t kAttendParallelWork = 1 << 20;
 
+// Whether a decode step's attention takes the threads (keys x heads x head_dim against
+// kAttendParallelWork); also how the spans are cut, so every caller cutting them must ask here.
+inline bool attend_takes_threads(const int32_t* context_lens, int64_t B, int64_t nh, int64_t D) {
+  int64_t work = 0;
+  for (int64_t b = 0; b < B; ++b) work += context_lens[b] > 0 ? context_lens[b] : 0;
+  return work * nh * D >= kAttendParallelWork;
+}
+
 template <typename T, typename C>
 int attend_batch(const T* q, int64_t q_stride, const C* k_cache, const C* v_cache, const int32_t* block_tables,
                  int64_t width, const int32_t* context_lens, T* out, int64_t B, int64_t nh, int64_t nkv, int64_t D,
                  int64_t bs, float scale, int64_t window, int threads) {
   if (nkv <= 0 || nh % nkv != 0) return 1;
   const int64_t group = nh / nkv;
-  int64_t work = 0;
-  for (int64_t b = 0; b < B; ++b) work += context_lens[b] > 0 ? context_lens[b] : 0;
-  const bool parallel = work * nh * D >= kAttendParallelWork;
+  const bool parallel = attend_takes_threads(context_lens, B, nh, D);
 #if defined(__AVX512F__)
   if (spans_apply<C>(D, group)) {
     switch (D / 16) {
