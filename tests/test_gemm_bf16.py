@@ -79,6 +79,25 @@ def test_strided_rows_and_column_slices():
         kernel(x.float(), pack_bf16(w), b, 100)
 
 
+needs_amx = pytest.mark.skipif(kernel is None or not kernel.amx, reason="no AMX-BF16 on this CPU (or not granted)")
+
+
+@needs_amx
+@pytest.mark.parametrize("m,n,k", [(5, 960, 576), (16, 48, 32), (33, 130, 64), (64, 3072, 576), (300, 200, 96)])
+def test_amx_and_vdpbf16ps_builds_agree(m, n, k):
+    """Where the tiles run (5+ rows, K % 32 == 0), a build without them (the vdpbf16ps tiles) and
+    both against float64: each within one bf16 rounding (every row-tile and block remainder,
+    pair- and row-major walks; the SwiGLU epilogue on tiles: test_swiglu_epilogue_...)."""
+    lib = build_library(("-mno-amx-tile", "-mno-amx-bf16"))
+    assert lib is not None
+    vdp = GemmBf16Kernel(lib)
+    assert vdp.fast and not vdp.amx
+    x, w, b = _case(m, n, k, True)
+    ref = _reference(x, w, b)
+    _assert_rounded(kernel(x, pack_bf16(w), b, n), ref)
+    _assert_rounded(vdp(x, pack_bf16(w), b, n), ref)
+
+
 @needs_kernel
 def test_zero_rows_and_non_finite_inputs():
     x, w, _ = _case(4, 20, 32, False)
@@ -88,6 +107,10 @@ def test_zero_rows_and_non_finite_inputs():
     out = kernel(x, pack_bf16(w), None, 20)
     assert bool(out[1].isnan().all()) and not bool(out[2].isfinite().all())
     _assert_rounded(out[[0, 3]], _reference(x[[0, 3]], w, None))
+    x, w, _ = _case(8, 40, 64, False)  # 5+ rows, K % 32 == 0: AMX's tiles where present
+    x[5, 1] = float("nan")
+    out = kernel(x, pack_bf16(w), None, 40)
+    assert bool(out[5].isnan().all()) and bool(out[[0, 1, 2, 3, 4, 6, 7]].isfinite().all())
 
 
 def test_pack_layout():
@@ -116,6 +139,7 @@ def test_portable_build(flags, m, n, k):
 def test_path_rule():
     assert bf16_linear_path({"avx512_bf16"}, kernel_fast=True) == "kernel"
     assert bf16_linear_path({"avx512_bf16", "amx_bf16"}, kernel_fast=True) == "onednn"
+    assert bf16_linear_path({"avx512_bf16", "amx_bf16"}, kernel_fast=True, kernel_amx=True) == "kernel"
     assert bf16_linear_path({"avx512_bf16"}, kernel_fast=False) == "onednn"
     assert bf16_linear_path({"amx_bf16"}, kernel_fast=True, asked="kernel") == "kernel"
     assert bf16_linear_path(set(), kernel_fast=False, asked="kernel") == "onednn"  # not built: nothing to ask for

@@ -78,6 +78,35 @@ struct Ahead {
 };
 
 #if defined(__AVX512BF16__)
+// The float32 sums of rows [m0, m0+mr) x blocks [b0, b0+nb) (row m, block j at
+// sums[m * ld + j * 16]) plus bias, rounded to bf16 and written to y; under
+// swiglu (nb even) each (gate, up) block pair becomes silu(gate) * up.
+inline void store_sums(const Args& a, int64_t m0, int mr, int64_t b0, int nb, const float* sums, int64_t ld) {
+  if (a.swiglu && nb % 2 == 0) {  // blocks j (gate) and j + 1 (up) of the same 16 outputs
+    for (int j = 0; j < nb; j += 2) {
+      const int64_t n = (b0 + j) * kBlock;  // the gate block's first row of the interleaved weight
+      const __m512 gb = a.bias ? load16(a.bias + n) : _mm512_setzero_ps();
+      const __m512 ub = a.bias ? load16(a.bias + n + kBlock) : _mm512_setzero_ps();
+      for (int m = 0; m < mr; ++m) {
+        const __m512 g = rows::round16(_mm512_add_ps(_mm512_load_ps(sums + m * ld + j * kBlock), gb));
+        const __m512 u = rows::round16(_mm512_add_ps(_mm512_load_ps(sums + m * ld + (j + 1) * kBlock), ub));
+        const __m512 act = _mm512_mul_ps(rows::round16(rows::silu16(g)), u);
+        _mm256_storeu_si256((__m256i*)(a.y + (m0 + m) * a.ldy + n / 2), narrow_bf16(act));
+      }
+    }
+    return;
+  }
+  for (int j = 0; j < nb; ++j) {
+    const int64_t n = (b0 + j) * kBlock;
+    const int64_t valid = a.N - n < kBlock ? a.N - n : kBlock;
+    const __mmask16 mask = valid >= kBlock ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+    const __m512 bias = a.bias ? load16(a.bias + n, valid) : _mm512_setzero_ps();
+    for (int m = 0; m < mr; ++m)
+      _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + n, mask,
+                               narrow_bf16(_mm512_add_ps(_mm512_load_ps(sums + m * ld + j * kBlock), bias)));
+  }
+}
+
 // Rows [m0, m0+MR) x blocks [b0, b0+NB). As in int8_rows.h, GCC keeps the
 // accumulators in registers only when the constant loops are unrolled early.
 template <int MR, int NB>
@@ -110,30 +139,7 @@ void tile(const Args& a, int64_t m0, int64_t b0, Ahead ahead) {
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) _mm512_store_ps(sums[m][j], acc[m][j]);
-  if constexpr (NB % 2 == 0) {
-    if (a.swiglu) {  // blocks j (gate) and j + 1 (up) of the same 16 outputs
-      for (int j = 0; j < NB; j += 2) {
-        const int64_t n = (b0 + j) * kBlock;  // the gate block's first row of the interleaved weight
-        const __m512 gb = a.bias ? load16(a.bias + n) : _mm512_setzero_ps();
-        const __m512 ub = a.bias ? load16(a.bias + n + kBlock) : _mm512_setzero_ps();
-        for (int m = 0; m < MR; ++m) {
-          const __m512 g = rows::round16(_mm512_add_ps(_mm512_load_ps(sums[m][j]), gb));
-          const __m512 u = rows::round16(_mm512_add_ps(_mm512_load_ps(sums[m][j + 1]), ub));
-          const __m512 act = _mm512_mul_ps(rows::round16(rows::silu16(g)), u);
-          _mm256_storeu_si256((__m256i*)(a.y + (m0 + m) * a.ldy + n / 2), narrow_bf16(act));
-        }
-      }
-      return;
-    }
-  }
-  for (int j = 0; j < NB; ++j) {
-    const int64_t n = (b0 + j) * kBlock;
-    const int64_t valid = a.N - n < kBlock ? a.N - n : kBlock;
-    const __mmask16 mask = valid >= kBlock ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
-    const __m512 bias = a.bias ? load16(a.bias + n, valid) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m)
-      _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + n, mask, narrow_bf16(_mm512_add_ps(_mm512_load_ps(sums[m][j]), bias)));
-  }
+  store_sums(a, m0, MR, b0, NB, &sums[0][0][0], NB * kBlock);
 }
 
 template <int MR>
@@ -179,6 +185,12 @@ inline void tile_any(const Args& a, int64_t m0, int mr, int64_t b0, int nb, Ahea
 }
 #endif
 
+}  // namespace pagemill::gemm
+
+#include "gemm_amx.h"  // share_amx: the same call on AMX tiles (needs store_sums above)
+
+namespace pagemill::gemm {
+
 // One thread's share: thread t of nt takes a contiguous, balanced range of
 // blocks and walks every row of a chunk for each group of kTileBlocks. The
 // group's first row tile streams its weights from memory; the tiles of a
@@ -189,6 +201,7 @@ constexpr int64_t kMinAheadTiles = 3;
 constexpr int64_t kMaxAheadBytes = 128 << 10;
 
 inline void share(const Args& a, int t, int nt) {
+  if (amx_takes(a)) return share_amx(a, t, nt);
   const int64_t blocks = (a.N + kBlock - 1) / kBlock, block_bytes = a.K * kBlock * (int64_t)sizeof(bf16);
   // Under swiglu a thread's range holds whole (gate, up) pairs, so every tile does.
   const int64_t unit = a.swiglu ? 2 : 1, units = blocks / unit;

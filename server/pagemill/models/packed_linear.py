@@ -50,16 +50,17 @@ MATVEC_MAX_ROWS = 1
 PACK_BF16 = True
 
 
-def bf16_linear_path(flags: set[str], kernel_fast: bool, asked: str = "auto") -> str:
+def bf16_linear_path(flags: set[str], kernel_fast: bool, asked: str = "auto", kernel_amx: bool = False) -> str:
     """Which multiplies a packed bf16 linear: "kernel" (gemm_bf16) or "onednn". asked: "auto"
-    (the measured choice), or either name (benchmarks compare them; an unbuilt kernel -> onednn)."""
+    (the measured choice), or either name (benchmarks compare them; an unbuilt kernel -> onednn).
+    kernel_amx: the kernel runs on AMX tiles (gemm_amx.h), so it is kept on AMX CPUs too."""
     if asked not in ("auto", "kernel", "onednn"):
         raise ValueError(f"bf16 linear path must be auto, kernel or onednn, got {asked!r}")
     if not kernel_fast:
         return "onednn"
     if asked != "auto":
         return asked
-    return "onednn" if "amx_bf16" in flags else "kernel"
+    return "onednn" if "amx_bf16" in flags and not kernel_amx else "kernel"
 
 
 def packing_available(device: torch.device, dtype: torch.dtype) -> bool:
@@ -101,7 +102,8 @@ class PackedLinear(nn.Linear):
             from pagemill.models.auto_dtype import cpu_flags
 
             kernel = gemm_bf16_kernel()
-            if bf16_linear_path(cpu_flags(), kernel is not None and kernel.fast, bf16_linear) == "kernel":
+            fast, amx = kernel is not None and kernel.fast, kernel is not None and kernel.amx
+            if bf16_linear_path(cpu_flags(), fast, bf16_linear, amx) == "kernel":
                 self.gemm, self.packed = kernel, pack_bf16(w)
         if self.gemm is None and (w.dtype == torch.float32 or PACK_BF16):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT)
