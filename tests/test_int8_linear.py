@@ -134,6 +134,28 @@ def test_vnni_path_is_the_one_built_here():
 
 
 @needs_kernel
+def test_amx_path_is_the_one_built_here():
+    """Where the CPU has AMX-INT8 calls of 5+ rows take its tiles (Linux 5.16+ grants them)."""
+    assert kernel.amx == (_cpu_has("amx_int8") and _cpu_has("amx_tile") and kernel.vnni)
+
+
+@pytest.mark.skipif(kernel is None or not kernel.amx, reason="no AMX-INT8 on this CPU (or not granted)")
+@pytest.mark.parametrize("m,n,k", [(5, 960, 576), (16, 48, 64), (33, 130, 128), (64, 3072, 576), (300, 200, 192)])
+def test_amx_and_vnni_builds_give_the_same_bits(m, n, k):
+    """The tiles' int32 sums are vpdpbusd's (both exact), through the same epilogue: a build
+    without AMX gives the same bits at every row-tile and block remainder, both walks."""
+    lib = build_library(("-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"))
+    assert lib is not None
+    vnni = Int8LinearKernel(lib)
+    assert vnni.vnni and not vnni.amx
+    x, w, b = _case(m, n, k, True, seed=7)
+    lin = QuantizedLinear(w, b, kernel)
+    for rows in (x, x.bfloat16()):
+        ours = vnni(rows.contiguous(), lin.qweight, lin.w_scale, lin.w_corr, lin.bias, n, 0)
+        assert torch.equal(ours, lin(rows))
+
+
+@needs_kernel
 @pytest.mark.parametrize("m,n,k", SHAPES)
 def test_portable_build_gives_the_same_bits(m, n, k):
     """The library built without AVX-512 (so without VNNI) through the loader's build option."""

@@ -23,7 +23,7 @@ extern "C" {
 int pagemill_gemm_bf16_fast() { return pagemill::gemm::kDpbf16 ? 1 : 0; }
 
 // 1 where calls of 5+ rows run on AMX tiles (compiled in, and Linux granted them), else 0.
-int pagemill_gemm_bf16_amx() { return pagemill::gemm::kAmxBuilt && pagemill::gemm::amx_permitted() ? 1 : 0; }
+int pagemill_gemm_bf16_amx() { return pagemill::gemm::kAmxBuilt && pagemill::amx::permitted() ? 1 : 0; }
 
 // x [M, K] bf16 rows ldx elements apart (K even); w packed [ceil(N/16)][K/2][16][2];
 // bias bf16 [N] or null; y [M, N] bf16 rows ldy apart. Returns 0, or 1 on a bad

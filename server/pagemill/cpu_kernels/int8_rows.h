@@ -33,8 +33,8 @@
 //
 // Without AVX512-VNNI + AVX512BW (or when built with them disabled, see
 // tests/test_int8_linear.py) a portable loop over the same layout gives the
-// same integers. AMX-INT8 tiles are not used: the machines this was written
-// and measured on have none, and an untested path is not shipped.
+// same integers. Where the CPU has AMX-INT8, calls of 5+ rows run on its tiles
+// (int8_amx.h), again the same integers.
 #pragma once
 #include <math.h>
 #include <omp.h>
@@ -211,6 +211,29 @@ inline float epilogue(const Args& a, int64_t m, int64_t n, int32_t acc) {
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+// The int32 sums of rows [m0, m0+mr) x blocks [b0, b0+nb) (row m, block j at
+// sums[m * ld + j * 16]) through the epilogue, 16 outputs at a time.
+inline void store_sums(const Args& a, int64_t m0, int mr, int64_t b0, int nb, const int32_t* sums, int64_t ld) {
+  for (int j = 0; j < nb; ++j) {
+    const int64_t n = (b0 + j) * kBlock;
+    const int64_t valid = a.N - n < kBlock ? a.N - n : kBlock;
+    const __mmask16 mask = valid >= kBlock ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
+    const __m512i corr = _mm512_loadu_si512(a.w_corr + n);
+    const __m512 ws = _mm512_loadu_ps(a.w_scale + n);
+    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
+    for (int m = 0; m < mr; ++m) {
+      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums + m * ld + j * kBlock), corr));
+      const __m512 r = _mm512_fmadd_ps(v, _mm512_mul_ps(_mm512_set1_ps(a.x_scale[m0 + m]), ws), bias);
+      if (a.bf16) {  // narrowed 16 at a time (a scalar loop here cost as much as the products at 64 rows)
+        _mm256_mask_storeu_epi16((uint16_t*)a.y + (m0 + m) * a.N + n, mask, pagemill::narrow_bf16(r));
+      } else {
+        float* y = (float*)a.y + (m0 + m) * a.N + n;
+        _mm512_mask_storeu_ps(y, mask, a.add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), r) : r);
+      }
+    }
+  }
+}
+
 // Rows [m0, m0+MR) x blocks [b0, b0+NB). The accumulators must live in
 // registers: GCC 12 keeps them on the stack (a store and a load around every
 // vpdpbusd) unless the constant loops are unrolled early (the pragmas) and
@@ -243,24 +266,7 @@ void tile(const Args& a, int64_t m0, int64_t b0) {
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < NB; ++j) _mm512_store_si512(sums[m][j], acc[m][j]);
-  for (int j = 0; j < NB; ++j) {
-    const int64_t n = (b0 + j) * kBlock;
-    const int64_t valid = a.N - n < kBlock ? a.N - n : kBlock;
-    const __mmask16 mask = valid >= kBlock ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
-    const __m512i corr = _mm512_loadu_si512(a.w_corr + n);
-    const __m512 ws = _mm512_loadu_ps(a.w_scale + n);
-    const __m512 bias = a.bias ? _mm512_maskz_loadu_ps(mask, a.bias + n) : _mm512_setzero_ps();
-    for (int m = 0; m < MR; ++m) {
-      const __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[m][j]), corr));
-      const __m512 r = _mm512_fmadd_ps(v, _mm512_mul_ps(_mm512_set1_ps(a.x_scale[m0 + m]), ws), bias);
-      if (a.bf16) {  // narrowed 16 at a time (a scalar loop here cost as much as the products at 64 rows)
-        _mm256_mask_storeu_epi16((uint16_t*)a.y + (m0 + m) * a.N + n, mask, pagemill::narrow_bf16(r));
-      } else {
-        float* y = (float*)a.y + (m0 + m) * a.N + n;
-        _mm512_mask_storeu_ps(y, mask, a.add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask, y), r) : r);
-      }
-    }
-  }
+  store_sums(a, m0, MR, b0, NB, &sums[0][0][0], NB * kBlock);
 }
 
 template <int MR>
@@ -301,11 +307,18 @@ inline void tile_any(const Args& a, int64_t m0, int mr, int64_t b0, int nb) {
 }
 #endif
 
+}  // namespace pagemill::int8
+
+#include "int8_amx.h"  // share_amx: the same sums on AMX tiles (needs store_sums above)
+
+namespace pagemill::int8 {
+
 // One thread's share of y = x wq^T: thread t of nt takes a contiguous,
 // balanced range of blocks (not whole tiles: 9 tiles of 4 blocks over 2
 // threads would leave one idle 1/9 of the time) and walks all rows for each,
 // so the weights are read from memory once whatever the row count.
 inline void share(const Args& a, int t, int nt) {
+  if (amx_takes(a)) return share_amx(a, t, nt);
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
   const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
   for (int64_t b = first; b < last; b += kTileBlocks) {

@@ -1,0 +1,118 @@
+// What the AMX tile paths of the linears share (gemm_amx.h: bf16, int8_amx.h:
+// int8): the process's permission, the tile configuration, and the walk of
+// one thread's blocks and rows.
+//
+// Both weight layouts are already AMX's B-tile ("VNNI") form: a block of 16
+// output channels is [K / pack][16][pack] (pack = 2 bf16 or 4 int8), so a B
+// tile is 16 consecutive 64-byte rows of a block: 32 k of bf16 or 64 k of
+// int8 for 16 outputs. A tiles are 16 activation rows x 64 bytes, read in
+// place. Each step keeps 2 row tiles (32 rows) x 2 blocks (32 outputs) in the
+// 4 accumulator tiles, so every weight row loaded serves 32 rows.
+//
+// Linux grants a process the tiles' register state only on request
+// (arch_prctl); where it refuses, the callers keep their AVX-512 paths.
+#pragma once
+#include <stdint.h>
+
+#if defined(__AMX_TILE__) && defined(__AVX512F__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define PAGEMILL_AMX_TILE 1
+#endif
+
+namespace pagemill::amx {
+
+#if defined(PAGEMILL_AMX_TILE)
+// Whether this process may use the tiles (asked once; the grant is process-wide).
+inline bool permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureTiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureTiledata) == 0;
+  }();
+  return ok;
+}
+
+// Tiles 0-1: activation rows, 2-3: weight blocks, 4-7: sums (row tile i x block j at 4 + 2i + j).
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Rows in the first and second row tile (1..16 and 0..16); every tile is 64 bytes wide.
+inline void configure(int rows0, int rows1) {
+  TileConfig c;
+  const int r1 = rows1 ? rows1 : 1;
+  const int rows[8] = {rows0, r1, 16, 16, rows0, rows0, r1, r1};
+  for (int i = 0; i < 8; ++i) {
+    c.rows[i] = (uint8_t)rows[i];
+    c.colsb[i] = 64;
+  }
+  _tile_loadconfig(&c);
+}
+#else
+inline bool permitted() { return false; }
+#endif
+
+// Weight lines of the next pair of blocks a tile asks for into L2 while it computes.
+struct Ahead {
+  const char* p = nullptr;
+  int64_t lines = 0;
+};
+
+// Weight bytes a thread walks per pass over a chunk of rows: with the chunk's rows they stay
+// in L2, so the row tiles are not re-read from L3 for every pair of blocks.
+constexpr int64_t kGroupBytes = 512 << 10;
+// Rows of a chunk up to which each pair of blocks takes all its rows in turn (its weights read
+// from memory once, kept in L1 for the next row tile: decode); above, each 32 rows take all
+// the pairs of a group in turn, so the row tiles stay in L1 and only the weights come from L2
+// (prefill: half the L2 traffic per multiply).
+constexpr int64_t kPairMajorRows = 64;
+
+// One thread's blocks [first, last) of `weights` (block_bytes each) against rows [0, M),
+// chunk_rows at a time, in groups of
+// about kGroupBytes: tile(m, rows0, rows1, b, two_blocks, ahead) computes rows
+// [m, m + rows0 + rows1) x blocks b (and b + 1 where two_blocks). Configures the tiles as the
+// row counts change and releases them at the end. Up to chunk_rows rows (decode) each weight
+// is read from memory once per call.
+#if defined(PAGEMILL_AMX_TILE)
+template <class Tile>
+void walk(const void* weights, int64_t first, int64_t last, int64_t M, int64_t chunk_rows, int64_t block_bytes,
+          Tile&& tile) {
+  if (first >= last) return;
+  const int64_t group = kGroupBytes / block_bytes < 2 ? 2 : kGroupBytes / block_bytes / 2 * 2;
+  int rows0 = -1, rows1 = -1;
+  auto run = [&](int64_t m, int64_t rows_end, int64_t b, int64_t b_end, Ahead ahead) {
+    const int left = (int)(rows_end - m < 32 ? rows_end - m : 32);
+    const int r0 = left < 16 ? left : 16, r1 = left - r0;
+    if (r0 != rows0 || r1 != rows1) {
+      configure(r0, r1);
+      rows0 = r0, rows1 = r1;
+    }
+    tile(m, r0, r1, b, b_end - b >= 2, ahead);
+  };
+  for (int64_t g = first; g < last; g += group) {
+    const int64_t g_end = last - g < group ? last : g + group;
+    for (int64_t c = 0; c < M; c += chunk_rows) {
+      const int64_t rows_end = M - c < chunk_rows ? M : c + chunk_rows;
+      if (rows_end - c > kPairMajorRows) {
+        for (int64_t m = c; m < rows_end; m += 32)
+          for (int64_t b = g; b < g_end; b += 2) run(m, rows_end, b, g_end, Ahead{});
+        continue;
+      }
+      for (int64_t b = g; b < g_end; b += 2) {
+        // The next pair's weights into L2 while this pair's first row tile computes.
+        const int64_t next = b + 2, next_nb = last - next < 2 ? last - next : 2;
+        const Ahead ahead{(const char*)weights + next * block_bytes, next < last ? next_nb * block_bytes / 64 : 0};
+        for (int64_t m = c; m < rows_end; m += 32) run(m, rows_end, b, g_end, m == c ? ahead : Ahead{});
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
+
+}  // namespace pagemill::amx

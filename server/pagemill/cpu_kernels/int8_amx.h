@@ -1,0 +1,84 @@
+// int8_rows.h's linear on AMX tiles (tdpbusd: unsigned activations x signed
+// weights, exact int32 sums), where the CPU has AMX-INT8; included by
+// int8_rows.h, which falls back to its vpdpbusd tiles elsewhere.
+//
+// The packed weight [N/16][Kp/4][16][4] is the B-tile form (amx.h): a tile
+// is 64 k of one block. The sums are the same integers as vpdpbusd's (both
+// exact), and they go through int8_rows.h's epilogue, so the outputs are the
+// VNNI path's bit for bit.
+#pragma once
+#include <stdint.h>
+
+#include "amx.h"
+
+#if defined(PAGEMILL_AMX_TILE) && defined(__AMX_INT8__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define PAGEMILL_AMX_INT8 1
+#endif
+
+namespace pagemill::int8 {
+
+#if defined(PAGEMILL_AMX_INT8)
+constexpr bool kAmxBuilt = true;
+
+// Rows [m0, m0 + rows0 + rows1) x blocks [b0, b0 + NB): Kp / 64 steps of up to 4 tile multiplies.
+template <bool TWO_ROWS, int NB>
+void amx_tile(const Args& a, int64_t m0, int rows0, int rows1, int64_t b0, int32_t* sums, amx::Ahead ahead) {
+  const int64_t block_bytes = a.Kp * kBlock, steps = a.Kp / 64;
+  const int64_t per = (ahead.lines + steps - 1) / steps;  // lines asked for per step
+  const int8_t* w = a.wq + b0 * block_bytes;
+  const uint8_t* x0 = a.xu + m0 * a.Kp;
+  const uint8_t* x1 = x0 + 16 * a.Kp;
+  _tile_zero(4);
+  if constexpr (NB == 2) _tile_zero(5);
+  if constexpr (TWO_ROWS) {
+    _tile_zero(6);
+    if constexpr (NB == 2) _tile_zero(7);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t q = s * per; q < (s + 1) * per && q < ahead.lines; ++q) _mm_prefetch(ahead.p + 64 * q, _MM_HINT_T1);
+    _tile_loadd(2, w + s * 1024, 64);
+    if constexpr (NB == 2) _tile_loadd(3, w + block_bytes + s * 1024, 64);
+    _tile_loadd(0, x0 + s * 64, a.Kp);
+    _tile_dpbusd(4, 0, 2);
+    if constexpr (NB == 2) _tile_dpbusd(5, 0, 3);
+    if constexpr (TWO_ROWS) {
+      _tile_loadd(1, x1 + s * 64, a.Kp);
+      _tile_dpbusd(6, 1, 2);
+      if constexpr (NB == 2) _tile_dpbusd(7, 1, 3);
+    }
+  }
+  // sums: [32 rows][2 blocks][16], 128 bytes a row.
+  _tile_stored(4, sums, 128);
+  if constexpr (NB == 2) _tile_stored(5, sums + 16, 128);
+  if constexpr (TWO_ROWS) {
+    _tile_stored(6, sums + 16 * 32, 128);
+    if constexpr (NB == 2) _tile_stored(7, sums + 16 * 32 + 16, 128);
+  }
+  store_sums(a, m0, rows0 + rows1, b0, NB, sums, 32);
+}
+
+// Whether share() takes the tiles for `a`: whole 64-k steps and 5+ rows (as gemm_amx.h).
+constexpr int64_t kAmxMinRows = 5;
+inline bool amx_takes(const Args& a) { return a.Kp % 64 == 0 && a.M >= kAmxMinRows && amx::permitted(); }
+
+// Rows walked per pass over a thread's blocks: 256 rows of Kp = 1536 are 384 KB, inside L2.
+constexpr int64_t kAmxChunkRows = 256;
+
+inline void share_amx(const Args& a, int t, int nt) {
+  const int64_t blocks = (a.N + kBlock - 1) / kBlock;
+  alignas(64) int32_t sums[32 * 32];
+  amx::walk(a.wq, blocks * t / nt, blocks * (t + 1) / nt, a.M, kAmxChunkRows, a.Kp * kBlock,
+            [&](int64_t m, int r0, int r1, int64_t b, bool two, amx::Ahead ahead) {
+              if (r1 && two) amx_tile<true, 2>(a, m, r0, r1, b, sums, ahead);
+              else if (r1) amx_tile<true, 1>(a, m, r0, r1, b, sums, ahead);
+              else if (two) amx_tile<false, 2>(a, m, r0, 0, b, sums, ahead);
+              else amx_tile<false, 1>(a, m, r0, 0, b, sums, ahead);
+            });
+}
+#else
+constexpr bool kAmxBuilt = false;
+inline bool amx_takes(const Args&) { return false; }
+inline void share_amx(const Args&, int, int) {}
+#endif
+
+}  // namespace pagemill::int8
