@@ -44,7 +44,7 @@ class GemmBf16Kernel:
         self._fn.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i64, ctypes.c_int]
         # Whether the AVX512-BF16 path was compiled in (else the portable loop, for tests only).
         self.fast = bool(lib.pagemill_gemm_bf16_fast())
-        # Whether calls of 5+ rows multiply on AMX tiles (gemm_amx.h): built in and granted.
+        # Whether calls of 4+ rows multiply on AMX tiles (gemm_amx.h): built in and granted.
         self.amx = self.fast and bool(lib.pagemill_gemm_bf16_amx())
         self._swiglu = lib.pagemill_gemm_bf16_swiglu
         self._swiglu.restype = ctypes.c_int

@@ -22,7 +22,7 @@ extern "C" {
 // 1 where the AVX512-BF16 path was compiled in, 0 for the portable loop.
 int pagemill_gemm_bf16_fast() { return pagemill::gemm::kDpbf16 ? 1 : 0; }
 
-// 1 where calls of 5+ rows run on AMX tiles (compiled in, and Linux granted them), else 0.
+// 1 where calls of 4+ rows run on AMX tiles (compiled in, and Linux granted them), else 0.
 int pagemill_gemm_bf16_amx() { return pagemill::gemm::kAmxBuilt && pagemill::amx::permitted() ? 1 : 0; }
 
 // x [M, K] bf16 rows ldx elements apart (K even); w packed [ceil(N/16)][K/2][16][2];

@@ -57,7 +57,9 @@ void amx_tile(const Args& a, int64_t m0, int rows0, int rows1, int64_t b0, int32
   store_sums(a, m0, rows0 + rows1, b0, NB, sums, 32);
 }
 
-// Whether share() takes the tiles for `a`: whole 64-k steps and 5+ rows (as gemm_amx.h).
+// Whether share() takes the tiles for `a`: whole 64-k steps and 5+ rows. Measured against the
+// vpdpbusd tiles (default model's linears, 2 threads): 4 rows 0.89-0.95x, 5 even, 8 1.2x,
+// 64 1.5-2.2x, 2048 1.8-2.6x.
 constexpr int64_t kAmxMinRows = 5;
 inline bool amx_takes(const Args& a) { return a.Kp % 64 == 0 && a.M >= kAmxMinRows && amx::permitted(); }
 
