@@ -9,6 +9,8 @@ Hot: one weight, called again and again (it stays in cache: the multiply's own r
 --cold: a ring of copies of the weights larger than the last-level cache, so every call streams
 its weight from memory as a decode step does. Each repetition times the paths back to back
 (interleaved), and the table gives medians; GFLOP/s is 2*M*N*K / time.
+On a CPU with AMX-BF16 the kernel runs on its tiles from 4 rows (gemm_amx.h); a second column,
+"no AMX", times the same kernel from a library built without them (its vdpbf16ps tiles).
 """
 
 from __future__ import annotations
@@ -20,13 +22,14 @@ import time
 
 import torch
 
-from pagemill.cpu_kernels.gemm import gemm_bf16_kernel, pack_bf16
+from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.gemm import GemmBf16Kernel, gemm_bf16_kernel, pack_bf16
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
           "head": (49152, 576)}  # fmt: skip
 
 
-def measure(rows: int, name: str, cold: bool, reps: int) -> dict:
+def measure(rows: int, name: str, cold: bool, reps: int, no_amx: GemmBf16Kernel | None) -> dict:
     n, k = SHAPES[name]
     copies = max(1, (96 << 20) // (n * k * 2)) if cold else 1  # 96 MiB: over a 32 MiB L3
     w = torch.randn(copies, n, k).bfloat16()
@@ -39,6 +42,8 @@ def measure(rows: int, name: str, cold: bool, reps: int) -> dict:
         "onednn": lambda i: torch.ops.mkldnn._linear_pointwise(x, onednn[i], None, "none", [], ""),
         "F.linear": lambda i: torch.nn.functional.linear(x, w[i]),
     }
+    if no_amx is not None:
+        paths["no AMX"] = lambda i: no_amx(x, packed[i], None, n)
     calls = max(1, min(200, int(2e9 / (2 * rows * n * k))))
     times: dict[str, list[float]] = {p: [] for p in paths}
     for p, fn in paths.items():
@@ -68,22 +73,26 @@ def main() -> None:
     kernel = gemm_bf16_kernel()
     if kernel is None or not kernel.fast:
         raise SystemExit("the bf16 gemm kernel has no AVX512-BF16 path on this machine")
+    no_amx = GemmBf16Kernel(build_library(("-mno-amx-tile", "-mno-amx-bf16"))) if kernel.amx else None
     results = []
-    print(f"{a.threads} threads, {'cold (weights from memory)' if a.cold else 'hot (weights in cache)'}")
-    print("| rows | linear | kernel ms | oneDNN packed ms | F.linear ms | kernel GFLOP/s | oneDNN / kernel |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    print(f"{a.threads} threads, {'cold (weights from memory)' if a.cold else 'hot (weights in cache)'}, "
+          f"AMX tiles: {'yes' if kernel.amx else 'no'}")
+    extra = " no AMX ms | no AMX / kernel |" if no_amx else ""
+    print(f"| rows | linear | kernel ms | oneDNN packed ms | F.linear ms | kernel GFLOP/s | oneDNN / kernel |{extra}")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if no_amx else ""))
     for rows in map(int, a.rows.split(",")):
         for name in a.linears.split(","):
             if name == "head" and rows > 256:
                 continue
-            r = measure(rows, name, a.cold, a.reps)
+            r = measure(rows, name, a.cold, a.reps, no_amx)
             results.append(r)
             ms = r["ms"]
+            more = f" {ms['no AMX']:.3f} | {ms['no AMX'] / ms['kernel']:.2f} |" if no_amx else ""
             print(f"| {rows} | {name} | {ms['kernel']:.3f} | {ms['onednn']:.3f} | {ms['F.linear']:.3f} | "
-                  f"{r['gflops']['kernel']:.0f} | {ms['onednn'] / ms['kernel']:.2f} |")  # fmt: skip
+                  f"{r['gflops']['kernel']:.0f} | {ms['onednn'] / ms['kernel']:.2f} |{more}")  # fmt: skip
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"threads": a.threads, "cold": a.cold, "results": results}, f, indent=1)
+            json.dump({"threads": a.threads, "cold": a.cold, "amx": kernel.amx, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -197,7 +197,12 @@ def quantize_model(model: nn.Module, cpu_kernels: bool = True, lm_head: bool = T
         parent = model.get_submodule(parent_name) if parent_name else model
         rotate = rotation_block(m.in_features) if rotate_down and name.endswith("mlp.down_proj") else 0
         setattr(parent, leaf, QuantizedLinear(m.weight, m.bias, kernel, rotate))
-    path = "torch reference" if kernel is None else ("AVX512-VNNI" if kernel.vnni else "portable C++")
+    if kernel is None:
+        path = "torch reference"
+    elif not kernel.vnni:
+        path = "portable C++"
+    else:
+        path = "AMX-INT8 (5+ rows) and AVX512-VNNI" if kernel.amx else "AVX512-VNNI"
     log.info("quantize int8: %d linears (output head %s), %s kernel", len(targets),
              "included" if lm_head else "kept in the model dtype", path)  # fmt: skip
     return len(targets)
