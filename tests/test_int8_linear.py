@@ -135,12 +135,12 @@ def test_vnni_path_is_the_one_built_here():
 
 @needs_kernel
 def test_amx_path_is_the_one_built_here():
-    """Where the CPU has AMX-INT8 calls of 5+ rows take its tiles (Linux 5.16+ grants them)."""
+    """Where the CPU has AMX-INT8 calls of 8+ rows take its tiles (Linux 5.16+ grants them)."""
     assert kernel.amx == (_cpu_has("amx_int8") and _cpu_has("amx_tile") and kernel.vnni)
 
 
 @pytest.mark.skipif(kernel is None or not kernel.amx, reason="no AMX-INT8 on this CPU (or not granted)")
-@pytest.mark.parametrize("m,n,k", [(5, 960, 576), (16, 48, 64), (33, 130, 128), (64, 3072, 576), (300, 200, 192)])
+@pytest.mark.parametrize("m,n,k", [(8, 960, 576), (16, 48, 64), (33, 130, 128), (64, 3072, 576), (300, 200, 192)])
 def test_amx_and_vnni_builds_give_the_same_bits(m, n, k):
     """The tiles' int32 sums are vpdpbusd's (both exact), through the same epilogue: a build
     without AMX gives the same bits at every row-tile and block remainder, both walks."""

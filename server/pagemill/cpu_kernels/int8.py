@@ -23,7 +23,7 @@ class Int8LinearKernel:
         self._fn.argtypes = [vp, ctypes.c_int, vp, vp, vp, vp, vp, i64, i64, i64, i64, ctypes.c_int]
         # Whether the AVX512-VNNI path was compiled in (else the portable loop).
         self.vnni = bool(lib.pagemill_int8_vnni())
-        # Whether calls of 5+ rows multiply on AMX-INT8 tiles (int8_amx.h): the same integers.
+        # Whether calls of 8+ rows multiply on AMX-INT8 tiles (int8_amx.h): the same integers.
         self.amx = bool(lib.pagemill_int8_amx())
 
     def __call__(self, x: torch.Tensor, packed: torch.Tensor, w_scale: torch.Tensor, w_corr: torch.Tensor,

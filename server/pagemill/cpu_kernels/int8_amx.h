@@ -57,10 +57,10 @@ void amx_tile(const Args& a, int64_t m0, int rows0, int rows1, int64_t b0, int32
   store_sums(a, m0, rows0 + rows1, b0, NB, sums, 32);
 }
 
-// Whether share() takes the tiles for `a`: whole 64-k steps and 5+ rows. Measured against the
-// vpdpbusd tiles (default model's linears, 2 threads): 4 rows 0.89-0.95x, 5 even, 8 1.2x,
-// 64 1.5-2.2x, 2048 1.8-2.6x.
-constexpr int64_t kAmxMinRows = 5;
+// Whether share() takes the tiles for `a`: whole 64-k steps and 8+ rows. Measured against the
+// vpdpbusd tiles (benchmarks/int8_amx.py, default model's linears, 2 threads, bf16 rows in):
+// 5 rows 0.74-1.05x, 8 0.93-1.27x, 16 1.23-1.75x, 64 1.5-2.1x, 2048 1.7-2.8x.
+constexpr int64_t kAmxMinRows = 8;
 inline bool amx_takes(const Args& a) { return a.Kp % 64 == 0 && a.M >= kAmxMinRows && amx::permitted(); }
 
 // Rows walked per pass over a thread's blocks: 256 rows of Kp = 1536 are 384 KB, inside L2.

@@ -25,7 +25,7 @@ extern "C" {
 // 1 where the AVX512-VNNI path was compiled in, 0 for the portable loop.
 int pagemill_int8_vnni() { return kVnni ? 1 : 0; }
 
-// 1 where calls of 5+ rows (K padded to a multiple of 64) run on AMX-INT8 tiles: compiled in and
+// 1 where calls of 8+ rows (K padded to a multiple of 64) run on AMX-INT8 tiles: compiled in and
 // granted by the OS; else 0.
 int pagemill_int8_amx() { return kAmxBuilt && pagemill::amx::permitted() ? 1 : 0; }
 

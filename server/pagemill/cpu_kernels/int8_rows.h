@@ -33,7 +33,7 @@
 //
 // Without AVX512-VNNI + AVX512BW (or when built with them disabled, see
 // tests/test_int8_linear.py) a portable loop over the same layout gives the
-// same integers. Where the CPU has AMX-INT8, calls of 5+ rows run on its tiles
+// same integers. Where the CPU has AMX-INT8, calls of 8+ rows run on its tiles
 // (int8_amx.h), again the same integers.
 #pragma once
 #include <math.h>

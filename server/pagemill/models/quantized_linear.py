@@ -202,7 +202,7 @@ def quantize_model(model: nn.Module, cpu_kernels: bool = True, lm_head: bool = T
     elif not kernel.vnni:
         path = "portable C++"
     else:
-        path = "AMX-INT8 (5+ rows) and AVX512-VNNI" if kernel.amx else "AVX512-VNNI"
+        path = "AMX-INT8 (8+ rows) and AVX512-VNNI" if kernel.amx else "AVX512-VNNI"
     log.info("quantize int8: %d linears (output head %s), %s kernel", len(targets),
              "included" if lm_head else "kept in the model dtype", path)  # fmt: skip
     return len(targets)
