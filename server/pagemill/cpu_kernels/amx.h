@@ -113,6 +113,47 @@ void walk(const void* weights, int64_t first, int64_t last, int64_t M, int64_t c
   }
   _tile_release();
 }
+
+// The multiplies of one walk step: rows [0, 16) (and [16, 32) where TWO_ROWS) of `x` (rows
+// ldx bytes apart) against blocks 0 (and 1 where NB == 2) of `w` (block_bytes apart), `steps`
+// steps of 64 bytes of k, summed into tiles 4-7 by Dp::dp<C>() (the element type's tile
+// product into sums tile C: 4 = rows 0 x block 0, 5 = 0 x 1, 6 = 1 x 0, 7 = 1 x 1); ahead's lines asked for into L2 along the way. store() then writes
+// the sums: [32 rows][2 blocks][16] 4-byte lanes, 128 bytes a row.
+template <class Dp, bool TWO_ROWS, int NB>
+void multiply(const char* w, int64_t block_bytes, const char* x, int64_t ldx, int64_t steps, Ahead ahead) {
+  const int64_t per = (ahead.lines + steps - 1) / steps;  // lines asked for per step
+  const char* x1 = x + 16 * ldx;
+  _tile_zero(4);
+  if constexpr (NB == 2) _tile_zero(5);
+  if constexpr (TWO_ROWS) {
+    _tile_zero(6);
+    if constexpr (NB == 2) _tile_zero(7);
+  }
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t q = s * per; q < (s + 1) * per && q < ahead.lines; ++q) _mm_prefetch(ahead.p + 64 * q, _MM_HINT_T1);
+    _tile_loadd(2, w + s * 1024, 64);
+    if constexpr (NB == 2) _tile_loadd(3, w + block_bytes + s * 1024, 64);
+    _tile_loadd(0, x + s * 64, ldx);
+    Dp::template dp<4>();
+    if constexpr (NB == 2) Dp::template dp<5>();
+    if constexpr (TWO_ROWS) {
+      _tile_loadd(1, x1 + s * 64, ldx);
+      Dp::template dp<6>();
+      if constexpr (NB == 2) Dp::template dp<7>();
+    }
+  }
+}
+
+template <bool TWO_ROWS, int NB>
+void store(void* sums) {
+  char* p = (char*)sums;
+  _tile_stored(4, p, 128);
+  if constexpr (NB == 2) _tile_stored(5, p + 64, 128);
+  if constexpr (TWO_ROWS) {
+    _tile_stored(6, p + 16 * 128, 128);
+    if constexpr (NB == 2) _tile_stored(7, p + 16 * 128 + 64, 128);
+  }
+}
 #endif
 
 }  // namespace pagemill::amx

@@ -38,44 +38,28 @@ struct Pending {
   }
 };
 
+// tdpbf16ps: bf16 pairs into float32 sums.
+struct DpBf16 {
+  template <int C>  // the sums tile; its row and weight tiles as amx::multiply pairs them
+  static void dp() {
+    if constexpr (C == 4) _tile_dpbf16ps(4, 0, 2);
+    else if constexpr (C == 5) _tile_dpbf16ps(5, 0, 3);
+    else if constexpr (C == 6) _tile_dpbf16ps(6, 1, 2);
+    else _tile_dpbf16ps(7, 1, 3);  // (the intrinsics take literal tile numbers)
+  }
+};
+
 // Rows [m0, m0 + rows0 + rows1) x blocks [b0, b0 + NB): K / 32 steps of up to 4 tile multiplies,
 // then the previous tile's epilogue (pending), then this one's sums into `sums` as the new
 // pending. ahead: weight lines asked for into L2 along the way (amx::walk).
 template <bool TWO_ROWS, int NB>
 void amx_tile(const Args& a, int64_t m0, int rows0, int rows1, int64_t b0, float* sums, amx::Ahead ahead,
               Pending& pending) {
-  const int64_t block_elems = a.K * kBlock, steps = a.K / 32, ldx_bytes = a.ldx * (int64_t)sizeof(bf16);
-  const int64_t per = (ahead.lines + steps - 1) / steps;  // lines asked for per step
-  const bf16* w = a.w + b0 * block_elems;
-  const bf16* x0 = a.x + m0 * a.ldx;
-  const bf16* x1 = x0 + 16 * a.ldx;
-  _tile_zero(4);
-  if constexpr (NB == 2) _tile_zero(5);
-  if constexpr (TWO_ROWS) {
-    _tile_zero(6);
-    if constexpr (NB == 2) _tile_zero(7);
-  }
-  for (int64_t s = 0; s < steps; ++s) {
-    for (int64_t q = s * per; q < (s + 1) * per && q < ahead.lines; ++q) _mm_prefetch(ahead.p + 64 * q, _MM_HINT_T1);
-    _tile_loadd(2, w + s * 512, 64);
-    if constexpr (NB == 2) _tile_loadd(3, w + block_elems + s * 512, 64);
-    _tile_loadd(0, x0 + s * 32, ldx_bytes);
-    _tile_dpbf16ps(4, 0, 2);
-    if constexpr (NB == 2) _tile_dpbf16ps(5, 0, 3);
-    if constexpr (TWO_ROWS) {
-      _tile_loadd(1, x1 + s * 32, ldx_bytes);
-      _tile_dpbf16ps(6, 1, 2);
-      if constexpr (NB == 2) _tile_dpbf16ps(7, 1, 3);
-    }
-  }
+  const int64_t block_bytes = a.K * kBlock * (int64_t)sizeof(bf16), ldx = a.ldx * (int64_t)sizeof(bf16);
+  amx::multiply<DpBf16, TWO_ROWS, NB>((const char*)a.w + b0 * block_bytes, block_bytes,
+                                      (const char*)(a.x + m0 * a.ldx), ldx, a.K / 32, ahead);
   pending.flush(a);
-  // sums: [32 rows][2 blocks][16], 128 bytes a row.
-  _tile_stored(4, sums, 128);
-  if constexpr (NB == 2) _tile_stored(5, sums + 16, 128);
-  if constexpr (TWO_ROWS) {
-    _tile_stored(6, sums + 16 * 32, 128);
-    if constexpr (NB == 2) _tile_stored(7, sums + 16 * 32 + 16, 128);
-  }
+  amx::store<TWO_ROWS, NB>(sums);
   pending = Pending{m0, b0, rows0 + rows1, NB, sums};
 }
 

@@ -20,40 +20,24 @@ namespace pagemill::int8 {
 #if defined(PAGEMILL_AMX_INT8)
 constexpr bool kAmxBuilt = true;
 
+// tdpbusd: unsigned activations x signed weights, 4 bytes per lane into exact int32 sums.
+struct DpInt8 {
+  template <int C>  // the sums tile; its row and weight tiles as amx::multiply pairs them
+  static void dp() {
+    if constexpr (C == 4) _tile_dpbusd(4, 0, 2);
+    else if constexpr (C == 5) _tile_dpbusd(5, 0, 3);
+    else if constexpr (C == 6) _tile_dpbusd(6, 1, 2);
+    else _tile_dpbusd(7, 1, 3);  // (the intrinsics take literal tile numbers)
+  }
+};
+
 // Rows [m0, m0 + rows0 + rows1) x blocks [b0, b0 + NB): Kp / 64 steps of up to 4 tile multiplies.
 template <bool TWO_ROWS, int NB>
 void amx_tile(const Args& a, int64_t m0, int rows0, int rows1, int64_t b0, int32_t* sums, amx::Ahead ahead) {
-  const int64_t block_bytes = a.Kp * kBlock, steps = a.Kp / 64;
-  const int64_t per = (ahead.lines + steps - 1) / steps;  // lines asked for per step
-  const int8_t* w = a.wq + b0 * block_bytes;
-  const uint8_t* x0 = a.xu + m0 * a.Kp;
-  const uint8_t* x1 = x0 + 16 * a.Kp;
-  _tile_zero(4);
-  if constexpr (NB == 2) _tile_zero(5);
-  if constexpr (TWO_ROWS) {
-    _tile_zero(6);
-    if constexpr (NB == 2) _tile_zero(7);
-  }
-  for (int64_t s = 0; s < steps; ++s) {
-    for (int64_t q = s * per; q < (s + 1) * per && q < ahead.lines; ++q) _mm_prefetch(ahead.p + 64 * q, _MM_HINT_T1);
-    _tile_loadd(2, w + s * 1024, 64);
-    if constexpr (NB == 2) _tile_loadd(3, w + block_bytes + s * 1024, 64);
-    _tile_loadd(0, x0 + s * 64, a.Kp);
-    _tile_dpbusd(4, 0, 2);
-    if constexpr (NB == 2) _tile_dpbusd(5, 0, 3);
-    if constexpr (TWO_ROWS) {
-      _tile_loadd(1, x1 + s * 64, a.Kp);
-      _tile_dpbusd(6, 1, 2);
-      if constexpr (NB == 2) _tile_dpbusd(7, 1, 3);
-    }
-  }
-  // sums: [32 rows][2 blocks][16], 128 bytes a row.
-  _tile_stored(4, sums, 128);
-  if constexpr (NB == 2) _tile_stored(5, sums + 16, 128);
-  if constexpr (TWO_ROWS) {
-    _tile_stored(6, sums + 16 * 32, 128);
-    if constexpr (NB == 2) _tile_stored(7, sums + 16 * 32 + 16, 128);
-  }
+  const int64_t block_bytes = a.Kp * kBlock;
+  amx::multiply<DpInt8, TWO_ROWS, NB>((const char*)a.wq + b0 * block_bytes, block_bytes,
+                                      (const char*)(a.xu + m0 * a.Kp), a.Kp, a.Kp / 64, ahead);
+  amx::store<TWO_ROWS, NB>(sums);
   store_sums(a, m0, rows0 + rows1, b0, NB, sums, 32);
 }
 
