@@ -83,7 +83,8 @@ needs_amx = pytest.mark.skipif(kernel is None or not kernel.amx, reason="no AMX-
 
 
 @needs_amx
-@pytest.mark.parametrize("m,n,k", [(4, 960, 576), (5, 960, 576), (16, 48, 32), (33, 130, 64), (64, 3072, 576), (300, 200, 96)])
+@pytest.mark.parametrize("m,n,k", [(4, 960, 576), (5, 960, 576), (16, 48, 32), (33, 130, 64), (64, 3072, 576),
+                                   (300, 200, 96)])  # fmt: skip
 def test_amx_and_vdpbf16ps_builds_agree(m, n, k):
     """Where the tiles run (4+ rows, K % 32 == 0), a build without them (the vdpbf16ps tiles) and
     both against float64: each within one bf16 rounding (every row-tile and block remainder,

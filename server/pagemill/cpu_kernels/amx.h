@@ -73,11 +73,10 @@ constexpr int64_t kGroupBytes = 512 << 10;
 constexpr int64_t kPairMajorRows = 64;
 
 // One thread's blocks [first, last) of `weights` (block_bytes each) against rows [0, M),
-// chunk_rows at a time, in groups of
-// about kGroupBytes: tile(m, rows0, rows1, b, two_blocks, ahead) computes rows
-// [m, m + rows0 + rows1) x blocks b (and b + 1 where two_blocks). Configures the tiles as the
-// row counts change and releases them at the end. Up to chunk_rows rows (decode) each weight
-// is read from memory once per call.
+// chunk_rows at a time, in groups of about kGroupBytes: tile(m, rows0, rows1, b, two_blocks,
+// ahead) computes rows [m, m + rows0 + rows1) x blocks b (and b + 1 where two_blocks).
+// Configures the tiles as the row counts change and releases them at the end. Up to
+// chunk_rows rows (decode) each weight is read from memory once per call.
 #if defined(PAGEMILL_AMX_TILE)
 template <class Tile>
 void walk(const void* weights, int64_t first, int64_t last, int64_t M, int64_t chunk_rows, int64_t block_bytes,
@@ -116,9 +115,10 @@ void walk(const void* weights, int64_t first, int64_t last, int64_t M, int64_t c
 
 // The multiplies of one walk step: rows [0, 16) (and [16, 32) where TWO_ROWS) of `x` (rows
 // ldx bytes apart) against blocks 0 (and 1 where NB == 2) of `w` (block_bytes apart), `steps`
-// steps of 64 bytes of k, summed into tiles 4-7 by Dp::dp<C>() (the element type's tile
-// product into sums tile C: 4 = rows 0 x block 0, 5 = 0 x 1, 6 = 1 x 0, 7 = 1 x 1); ahead's lines asked for into L2 along the way. store() then writes
-// the sums: [32 rows][2 blocks][16] 4-byte lanes, 128 bytes a row.
+// steps of 64 bytes of k, summed by Dp::dp<C>(), the element type's tile product into sums
+// tile C (4: row tile 0 x block 0, 5: 0 x 1, 6: 1 x 0, 7: 1 x 1); ahead's lines asked for into
+// L2 along the way. store() then writes the sums: [32 rows][2 blocks][16] 4-byte lanes, 128
+// bytes a row.
 template <class Dp, bool TWO_ROWS, int NB>
 void multiply(const char* w, int64_t block_bytes, const char* x, int64_t ldx, int64_t steps, Ahead ahead) {
   const int64_t per = (ahead.lines + steps - 1) / steps;  // lines asked for per step

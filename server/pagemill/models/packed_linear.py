@@ -22,8 +22,8 @@ over its own packed copy replaces oneDNN's at every row count from 2, in place
 of the oneDNN copy (the memory is the same). In a decode step it streams the
 weights at close to memory speed where oneDNN's did not, and multiplies at the
 core's vdpbf16ps rate (docs/cpu.md has the figures). With AMX-BF16 it
-multiplies on AMX tiles from 4 rows (gemm_amx.h): measured 1.0-1.8x oneDNN's
-AMX kernels at decode row counts, 0.7-0.9x at 2048-row prefills, and it keeps
+multiplies on AMX tiles from 4 rows (gemm_amx.h): measured 1.3-1.9x oneDNN's
+AMX kernels at 4-64 rows, 0.73-0.97x at 2048-row prefills, and it keeps
 the batched decode layer and the SwiGLU epilogue, which oneDNN's would not.
 A kernel built without the tiles on an AMX CPU leaves oneDNN in charge.
 """
