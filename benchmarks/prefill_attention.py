@@ -11,7 +11,9 @@ over a cached prefix (0-512 tokens each), bf16 and float32. Paths:
 - tokens: the previous dispatch, every new token a one-row query of the decode
   kernel (DecodeKernels.paged_attention over per-token tables and lengths);
 - sdpa: TorchAttentionBackend without kernels (SDPA per sequence, the cached
-  prefix gathered), what chunks over 1024 tokens took.
+  prefix gathered), what chunks over 1024 tokens took;
+- no AMX (bf16, where the tiled kernel runs on AMX tiles here): the tiled kernel from a
+  library built without them (its vdpbf16ps products), prefill_attention_amx.h's baseline.
 At 1 thread the clock is time.process_time, at more perf_counter; each figure is
 the median of --reps repetitions run interleaved, the order alternating (the machine
 is shared: medians of interleaved runs, not means).
@@ -35,7 +37,7 @@ import torch
 
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import DecodeKernels, decode_kernels
+from pagemill.cpu_kernels import DecodeKernels, build_library, decode_kernels
 
 HEADS, KV_HEADS, D, BS = 9, 3, 64, 16
 
@@ -84,7 +86,8 @@ def layer_case(dtype, lens: list[int], prefix: bool, seed: int = 0):
     return q, k_new, v_new, k_cache, v_cache, meta
 
 
-def bench_layers(kernels: DecodeKernels, lens: list[int], threads: list[int], dtypes: list[str], reps: int) -> list:
+def bench_layers(kernels: DecodeKernels, lens: list[int], threads: list[int], dtypes: list[str], reps: int,
+                 no_amx: DecodeKernels | None = None) -> list:
     rows = []
     per_token, sdpa = PerToken(kernels), TorchAttentionBackend(None)
     for dtype in dtypes:
@@ -96,6 +99,9 @@ def bench_layers(kernels: DecodeKernels, lens: list[int], threads: list[int], dt
                 "tokens": lambda: per_token(q, kc, vc, m.block_tables, m.cu_seqlens_q, m.context_lens, D**-0.5),
                 "sdpa": lambda: sdpa.prefill(q, k, v, kc, vc, m, D**-0.5),
             }
+            if no_amx is not None and dtype == "bfloat16":
+                paths["no_amx"] = lambda: no_amx.prefill_attention(q, kc, vc, m.block_tables, m.cu_seqlens_q,
+                                                                   m.context_lens, D**-0.5)  # fmt: skip
             ref = paths["sdpa"]().float()
             for name, fn in paths.items():  # the same result (and warm)
                 assert (fn().float() - ref).abs().max() < 0.05, name
@@ -111,13 +117,16 @@ def bench_layers(kernels: DecodeKernels, lens: list[int], threads: list[int], dt
                 row = {"dtype": dtype, "prefix": prefix, "threads": n, "tokens": sum(lens),
                        "keys": sum(m.kv_lens)} | {f"{k}_ms": statistics.median(v) * 1e3 for k, v in times.items()}  # fmt: skip
                 rows.append(row)
+                more = f" {row['no_amx_ms']:.2f} | {row['no_amx_ms'] / row['tiled_ms']:.2f}x |" if "no_amx_ms" in row else \
+                    (" | |" if no_amx is not None else "")
                 print(f"| {dtype} | {'cached prefix' if prefix else 'fresh'} | {n} | {row['tiled_ms']:.2f} | "
-                      f"{row['tokens_ms']:.2f} | {row['sdpa_ms']:.2f} | {row['tokens_ms'] / row['tiled_ms']:.2f}x |",
+                      f"{row['tokens_ms']:.2f} | {row['sdpa_ms']:.2f} | {row['tokens_ms'] / row['tiled_ms']:.2f}x |{more}",
                       flush=True)  # fmt: skip
     return rows
 
 
-def bench_model(kernels: DecodeKernels, lens: list[int], dtype: str, threads: int, reps: int) -> dict:
+def bench_model(kernels: DecodeKernels, lens: list[int], dtype: str, threads: int, reps: int,
+                no_amx: DecodeKernels | None = None) -> dict:
     from pagemill.bench.cli import resolve_model_dir
     from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
     from pagemill.config import ShardConfig
@@ -128,11 +137,13 @@ def bench_model(kernels: DecodeKernels, lens: list[int], dtype: str, threads: in
     warm_runner(runner, max_batch_size=len(lens), max_prefill_tokens=sum(lens) + 64, max_input=max(lens) + 8)
     driver = ShardDriver(runner)
     prompts = [p[:n] for p, n in zip(random_prompts(len(lens), max(lens), runner.config.vocab_size), lens)]
-    tiled, per_token = kernels.prefill_attention, PerToken(kernels)
-    times: dict[str, list[float]] = {"tiled": [], "tokens": []}
+    paths = {"tiled": kernels.prefill_attention, "tokens": PerToken(kernels)}
+    if no_amx is not None and dtype == "bfloat16":
+        paths["no_amx"] = no_amx.prefill_attention
+    times: dict[str, list[float]] = {name: [] for name in paths}
     for rep in range(reps + 1):
-        for name in ["tiled", "tokens"][:: 1 if rep % 2 else -1]:
-            kernels.prefill_attention = tiled if name == "tiled" else per_token  # the instance's, this process
+        for name in list(paths)[:: 1 if rep % 2 else -1]:
+            kernels.prefill_attention = paths[name]  # the instance's, this process
             cpu = time.process_time()
             batch, step = driver.prefill(prompts, 2)
             cpu = time.process_time() - cpu
@@ -140,7 +151,7 @@ def bench_model(kernels: DecodeKernels, lens: list[int], dtype: str, threads: in
                 driver.release(rid)
             if rep:  # the first round warms up
                 times[name].append(cpu * 1e3 if threads == 1 else step.forward_ns / 1e6)
-    kernels.prefill_attention = tiled
+    kernels.prefill_attention = paths["tiled"]
     return {"dtype": dtype, "threads": threads, "tokens": sum(lens)} | {
         f"{k}_ms": statistics.median(v) for k, v in times.items()}  # fmt: skip
 
@@ -164,18 +175,25 @@ def main() -> None:
         raise SystemExit("no compiled CPU kernels here")
     lens = [int(x) for x in args.lens.split(",")] if args.lens else prompt_lens(args.prompts, args.tokens)
     print(f"prompts: {lens} ({sum(lens)} tokens); ms per layer, median of {args.reps} interleaved")
-    print("| dtype | step | threads | tiled ms | tokens ms | sdpa ms | tokens / tiled |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    no_amx = None
+    if kernels.prefill_on_amx(D):  # the same kernel from a build without the tiles, beside it
+        no_amx = DecodeKernels(build_library(("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")))
+        print("AMX tiles: yes (the 'no AMX' columns: the same kernel built without them)")
+    extra = (" no AMX ms | no AMX / tiled |", "---:|---:|") if no_amx else ("", "")
+    print("| dtype | step | threads | tiled ms | tokens ms | sdpa ms | tokens / tiled |" + extra[0])
+    print("|---|---|---:|---:|---:|---:|---:|" + extra[1])
     threads = [int(t) for t in args.threads.split(",")]
-    result = {"args": vars(args), "prompt_lens": lens,
-              "layer": bench_layers(kernels, lens, threads, args.dtypes.split(","), args.reps)}  # fmt: skip
+    result = {"args": vars(args), "prompt_lens": lens, "amx": no_amx is not None,
+              "layer": bench_layers(kernels, lens, threads, args.dtypes.split(","), args.reps, no_amx)}  # fmt: skip
     if args.model:
-        m = bench_model(kernels, lens, args.model_dtype, args.model_threads, args.model_reps)
+        m = bench_model(kernels, lens, args.model_dtype, args.model_threads, args.model_reps, no_amx)
         result["model"] = m
         clock = "CPU ms" if m["threads"] == 1 else "forward ms (wall)"
         print(f"model prefill step ({m['dtype']}, {m['threads']} threads, {m['tokens']} tokens, {clock}, median of "
               f"{args.model_reps}): tiled {m['tiled_ms']:.0f}, tokens {m['tokens_ms']:.0f}, "
-              f"saved {m['tokens_ms'] - m['tiled_ms']:.0f} ms ({1 - m['tiled_ms'] / m['tokens_ms']:.1%})")  # fmt: skip
+              f"saved {m['tokens_ms'] - m['tiled_ms']:.0f} ms ({1 - m['tiled_ms'] / m['tokens_ms']:.1%})"
+              + (f"; tiled without AMX {m['no_amx_ms']:.0f} (the tiles save {1 - m['tiled_ms'] / m['no_amx_ms']:.1%})"
+                 if "no_amx_ms" in m else ""))  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

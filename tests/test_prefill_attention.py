@@ -1,6 +1,8 @@
 """The query-tiled prefill attention kernel (cpu_kernels/prefill_attention.h) against
 dense float64 attention over the same keys, for float32 and bfloat16 pools, in the
-native build and the builds with the AVX512-BF16 / AVX-512 paths compiled out.
+native build and the builds with the AMX / AVX512-BF16 / AVX-512 paths compiled out (on an
+AMX-BF16 CPU the native build's bf16 tiles of head size 64, 128 and 256 multiply on AMX tiles,
+prefill_attention_amx.h).
 
 Tolerances: float32 2e-5 absolute + 1e-4 relative (float32 arithmetic against float64);
 bfloat16 2^-7 relative + 4e-3 absolute per element, and a mean absolute error under 1e-3
@@ -30,11 +32,16 @@ TOL = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=4e-3
 MEAN_TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-3}
 
 
-@pytest.fixture(scope="module", params=[(), ("-mno-avx512bf16",), ("-mno-avx512f",)],
-                ids=["native", "no-avx512bf16", "no-avx512f"])  # fmt: skip
+NO_AMX = ("-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8")
+
+
+@pytest.fixture(scope="module", params=[(), NO_AMX, ("-mno-avx512bf16",), ("-mno-avx512f",)],
+                ids=["native", "no-amx", "no-avx512bf16", "no-avx512f"])  # fmt: skip
 def library(request) -> DecodeKernels:
     if not request.param:
         return kernels
+    if request.param == NO_AMX and not kernels.prefill_on_amx(64):
+        pytest.skip("the native build has no AMX path here: it is the no-amx build")
     lib = build_library(request.param)
     assert lib is not None, f"kernel build with {request.param} failed"
     return DecodeKernels(lib)
@@ -109,6 +116,17 @@ def test_other_head_sizes(library, head_dim):
     out = library.prefill_attention(step.q, step.k_cache, step.v_cache, m.block_tables, m.cu_seqlens_q,
                                     m.context_lens, 0.1, None)  # fmt: skip
     torch.testing.assert_close(out.double(), step.expected(0.1, None), **TOL[torch.bfloat16])
+
+
+def test_amx_path_is_the_one_built_here():
+    """Where the CPU has AMX-BF16 (and Linux grants the tiles) bf16 prompt chunks of the common
+    head sizes take them; other head sizes keep the vdpbf16ps tile."""
+    from pagemill.models.auto_dtype import cpu_flags
+
+    flags = cpu_flags()
+    amx = {"amx_tile", "amx_bf16", "avx512_bf16"} <= flags
+    assert [kernels.prefill_on_amx(d) for d in (64, 128, 256)] == [amx] * 3
+    assert not any(kernels.prefill_on_amx(d) for d in (48, 80, 96, 160))
 
 
 def test_strided_queries():

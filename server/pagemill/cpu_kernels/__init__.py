@@ -49,7 +49,8 @@ _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", 
             _DIR / "gemm_bf16.cpp", _DIR / "kv_write.cpp", _DIR / "decode_batched.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "paged_attention_spans.h",
             _DIR / "int8_rows.h", _DIR / "prefill_attention.h", _DIR / "gemm_bf16.h",
-            _DIR / "bf16_row_ops.h", _DIR / "gemm_amx.h", _DIR / "amx.h", _DIR / "int8_amx.h"]
+            _DIR / "bf16_row_ops.h", _DIR / "gemm_amx.h", _DIR / "amx.h", _DIR / "int8_amx.h",
+            _DIR / "prefill_attention_amx.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -132,6 +133,10 @@ class DecodeKernels:
         self.prefill = lib.pagemill_prefill_attention  # prefill_attention.cpp
         self.prefill.restype = ctypes.c_int
         self.prefill.argtypes = [vp, ctypes.c_int, i64, vp, vp, vp, i64, vp, vp, vp] + [i64] * 5 + [f32, i64, ctypes.c_int]
+        # Whether bf16 prompt chunks of a head size multiply on AMX tiles (prefill_attention_amx.h).
+        self.prefill_amx = lib.pagemill_prefill_attention_amx
+        self.prefill_amx.restype = ctypes.c_int
+        self.prefill_amx.argtypes = [i64]
         self._write_kv = lib.pagemill_write_kv  # kv_write.cpp
         self._write_kv.restype = i64
         self._write_kv.argtypes = [vp, i64, vp, i64, i64, i64, vp, i64, vp, vp]
@@ -185,6 +190,9 @@ class DecodeKernels:
             raise ValueError(f"paged attention: {heads} heads is not a multiple of {kv_heads} kv heads")
         return out
 
+    def prefill_on_amx(self, head_dim: int) -> bool:
+        """Whether bf16 prompt chunks of this head size multiply on AMX tiles (prefill_attention_amx.h)."""
+        return bool(self.prefill_amx(head_dim))
 
     def prefill_attention(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                           block_tables: torch.Tensor, cu_seqlens_q: torch.Tensor, kv_lens: torch.Tensor, scale: float,

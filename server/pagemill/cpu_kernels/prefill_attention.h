@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "paged_attention.h"
+#include "prefill_attention_amx.h"
 #include "vec.h"
 
 namespace pagemill {
@@ -208,10 +209,13 @@ inline void pack_values(const T* const* rows, int64_t n, void* dst) {
   }
 }
 
-template <typename T, int NV>
+// kAmx: both products on AMX tiles (prefill_attention_amx.h; bf16, D % 32 == 0), the
+// rest as it is.
+template <typename T, int NV, bool kAmx = false>
 void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch& w) {
   constexpr int D = 16 * NV;
   constexpr bool kDp = kPrefillDp<T>;
+  static_assert(!kAmx || (kDp && D % 32 == 0), "the tiles take bf16 pairs, 32 dims a step");
   const int64_t rows = (t.i1 - t.i0) * t.group, groups = (rows + 15) / 16, R = 16 * groups;
   // Queries transposed per row group: [group][D/2 pairs or D dims][16 lanes].
   // The tile's query rows are read once, from wherever the projection left them: ask for
@@ -245,6 +249,9 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
   kv.rows(lo, hi, t.kv_head, w.offs.data());
   alignas(64) static const float zero[256] = {};
   const __m512 scale = _mm512_set1_ps(t.scale);
+#if defined(PAGEMILL_AMX_ATTENTION)
+  if constexpr (kAmx) prefill_amx::configure();
+#endif
   for (int64_t c0 = lo; c0 < hi; c0 += kKeyChunk) {
     const int64_t n = std::min<int64_t>(kKeyChunk, hi - c0);
     const int64_t* offs = w.offs.data() + (c0 - lo);
@@ -256,7 +263,7 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
     }
     const T* vrows[16];
     for (int64_t j = 0; j < 16; ++j) vrows[j] = j < n ? kv.v + offs[j] : (const T*)zero;
-    pack_values<T, kDp, NV>(vrows, n, w.vf.data());
+    pack_values<T, kDp, NV>(vrows, kAmx ? 16 : n, w.vf.data());  // (the tiles read all 8 pairs)
     if constexpr (kDp) {
       bf16* kb = (bf16*)w.kb.data();
       for (int64_t j = 0; j < 16; ++j) memcpy(kb + j * D, j < n ? (const void*)(kv.k + offs[j]) : (const void*)zero, D * 2);
@@ -268,7 +275,12 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
     for (int64_t rg = 0; rg < groups; ++rg) {
       if (c0 >= w.rhi[std::min(16 * rg + 15, rows - 1)] || c0 + n <= w.rlo[16 * rg]) continue;  // sees none of it
       __m512 acc[16];
-      chunk_scores<kDp, D>(w.q.data() + rg * 16 * D, w.kb.data(), acc);
+#if defined(PAGEMILL_AMX_ATTENTION)
+      if constexpr (kAmx)
+        prefill_amx::scores<D>(w.q.data() + rg * 16 * D, w.kb.data(), acc);
+      else
+#endif
+        chunk_scores<kDp, D>(w.q.data() + rg * 16 * D, w.kb.data(), acc);
       // Online softmax, the 16 rows in the lanes: row r sees key c0 + j when rlo[r] <= c0 + j < rhi[r].
       const __m512i rlo = _mm512_loadu_si512((const void*)(w.rlo.data() + 16 * rg));
       const __m512i rhi = _mm512_loadu_si512((const void*)(w.rhi.data() + 16 * rg));
@@ -307,11 +319,20 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
       }
       constexpr int RB = kValueRows<NV>;
       const int64_t rmax = std::min<int64_t>(16, rows - 16 * rg);  // padding rows: no value pass
+#if defined(PAGEMILL_AMX_ATTENTION)
+      if constexpr (kAmx) {
+        prefill_amx::values<NV>(w.s.data(), w.vf.data(), w.corr.data() + 16 * rg, rmax, w.o.data() + 16 * rg * D);
+        continue;
+      }
+#endif
       for (int64_t r = 0; r < rmax; r += RB)
         chunk_values<kDp, NV, RB>(w.s.data(), w.vf.data(), n, w.corr.data() + 16 * rg, r,
                                   w.o.data() + (16 * rg + r) * D);
     }
   }
+#if defined(PAGEMILL_AMX_ATTENTION)
+  if constexpr (kAmx) prefill_amx::release();
+#endif
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = t.i0 + r / t.group, g = r % t.group;
     T* dst = t.out + i * t.out_stride + g * D;
@@ -343,9 +364,32 @@ void prefill_token(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch
   for (int64_t i = 0; i < rows; ++i) out[i] = from_float<T>(of[i]);
 }
 
+// Whether bf16 tiles of head size D go to prefill_tile_avx512's AMX form (the head sizes
+// dispatched below).
+inline bool prefill_takes_amx(int64_t D) {
+#if defined(PAGEMILL_AMX_ATTENTION)
+  return kPrefillDp<bf16> && (D == 64 || D == 128 || D == 256) && prefill_amx::takes<bf16>(D);
+#else
+  (void)D;
+  return false;
+#endif
+}
+
 template <typename T>
 void prefill_tile(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch& w) {
   if (t.i1 - t.i0 == 1 && t.group < 8) return prefill_token(t, kv, w);
+#if defined(PAGEMILL_AMX_ATTENTION)
+  if constexpr (kPrefillDp<T>) {
+    if (prefill_takes_amx(kv.head_dim)) {
+      switch (kv.head_dim / 32) {
+        case 2: return prefill_tile_avx512<T, 4, true>(t, kv, w);
+        case 4: return prefill_tile_avx512<T, 8, true>(t, kv, w);
+        case 8: return prefill_tile_avx512<T, 16, true>(t, kv, w);
+        default: break;  // (other multiples of 32: the vdpbf16ps tile below)
+      }
+    }
+  }
+#endif
 #if defined(__AVX512F__)
   if (kv.head_dim % 16 == 0) {
     switch (kv.head_dim / 16) {
