@@ -32,13 +32,13 @@
 namespace pagemill::prefill_amx {
 
 #if defined(PAGEMILL_AMX_ATTENTION)
-// Tiles: 0 keys (A), 1 queries (B), 2 scores (C), 3 probabilities (A: 16 keys, 32 bytes a
-// row), 4 values (B: 8 pairs of keys), 5 outputs (C).
+// Tiles: scores: 0 keys (A), 1 queries (B), 2 sums (C); values: 3 probabilities (A: 16 keys,
+// 32 bytes a row), 4 and 6 values (B: 8 pairs of keys), 5, 7, 0 and 2 sums (C).
 inline void configure() {
   amx::TileConfig c;
-  const uint8_t rows[6] = {16, 16, 16, 16, 8, 16};
-  const uint16_t colsb[6] = {64, 64, 64, 32, 64, 64};
-  for (int i = 0; i < 6; ++i) {
+  const uint8_t rows[8] = {16, 16, 16, 16, 8, 16, 8, 16};
+  const uint16_t colsb[8] = {64, 64, 64, 32, 64, 64, 64, 64};
+  for (int i = 0; i < 8; ++i) {
     c.rows[i] = rows[i];
     c.colsb[i] = colsb[i];
   }
@@ -68,26 +68,70 @@ inline void scores(const void* qt, const void* kb, __m512* acc) {
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_load_ps(s + 16 * j);
 }
 
+// pa[r][kp] = p[kp][r], 32-bit words: the probabilities' pairs of keys from the softmax's lanes
+// (a row of query rows per pair) to the A tile's rows (a row of pairs per query row).
+inline void transpose_8x16(const uint32_t* p, uint32_t* pa) {
+  __m512i x[8], a[8], e[8];
+  for (int i = 0; i < 8; ++i) x[i] = _mm512_loadu_si512((const void*)(p + 16 * i));
+  for (int i = 0; i < 4; ++i) {  // a[2i], a[2i+1]: pairs kp 2i, 2i+1 interleaved, rows 4L+0,1 and 4L+2,3
+    a[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // e[4h + j]: row 4L + j's pairs 4h..4h+3 in 128-bit lane L
+    const __m512i* q = a + 4 * h;
+    e[4 * h] = _mm512_unpacklo_epi64(q[0], q[2]);
+    e[4 * h + 1] = _mm512_unpackhi_epi64(q[0], q[2]);
+    e[4 * h + 2] = _mm512_unpacklo_epi64(q[1], q[3]);
+    e[4 * h + 3] = _mm512_unpackhi_epi64(q[1], q[3]);
+  }
+  const __m512i lanes01 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), lanes23 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  for (int j = 0; j < 4; ++j) {
+    const __m512i g = _mm512_permutex2var_epi64(e[j], lanes01, e[4 + j]);  // rows j, 4 + j
+    const __m512i h = _mm512_permutex2var_epi64(e[j], lanes23, e[4 + j]);  // rows 8 + j, 12 + j
+    _mm256_store_si256((__m256i*)(pa + 8 * j), _mm512_castsi512_si256(g));
+    _mm256_store_si256((__m256i*)(pa + 8 * (4 + j)), _mm512_extracti64x4_epi64(g, 1));
+    _mm256_store_si256((__m256i*)(pa + 8 * (8 + j)), _mm512_castsi512_si256(h));
+    _mm256_store_si256((__m256i*)(pa + 8 * (12 + j)), _mm512_extracti64x4_epi64(h, 1));
+  }
+}
+
 // o[r] = o[r] * corr[r] + sum_j p[r][j] v[j] for the first `rows` rows of a row group:
 // pp the probabilities as bf16 pairs of keys [8][16 lanes], vp pack_values' pairs of value
-// rows [8][NV] vectors.
+// rows [8][NV] vectors. 64 dims at a time, in four sums tiles, so that no store waits for the
+// multiply just issued (one tile at a time, the wait was ~15% of the kernel's samples).
 template <int NV>
 inline void values(const void* pp, const void* vp, const float* corr, int64_t rows, float* o) {
+  static_assert(NV % 4 == 0, "head sizes of 64, 128, 256");
   constexpr int D = 16 * NV;
+  constexpr int64_t ld = NV * 64;
   alignas(64) uint32_t pa[16 * 8];  // [row][pair of keys]
-  const uint32_t* p = (const uint32_t*)pp;
-  for (int kp = 0; kp < 8; ++kp)
-    for (int r = 0; r < 16; ++r) pa[r * 8 + kp] = p[16 * kp + r];
+  transpose_8x16((const uint32_t*)pp, pa);
   _tile_loadd(3, pa, 32);
-  alignas(64) float t[16 * 16];
-  for (int c = 0; c < NV; ++c) {
+  alignas(64) float t[4][16 * 16];
+  for (int c = 0; c < NV; c += 4) {
+    const char* v = (const char*)vp + 64 * c;
     _tile_zero(5);
-    _tile_loadd(4, (const char*)vp + 64 * c, NV * 64);
+    _tile_zero(7);
+    _tile_zero(0);
+    _tile_zero(2);
+    _tile_loadd(4, v, ld);
+    _tile_loadd(6, v + 64, ld);
     _tile_dpbf16ps(5, 3, 4);
-    _tile_stored(5, t, 64);
+    _tile_dpbf16ps(7, 3, 6);
+    _tile_loadd(4, v + 128, ld);
+    _tile_loadd(6, v + 192, ld);
+    _tile_dpbf16ps(0, 3, 4);
+    _tile_dpbf16ps(2, 3, 6);
+    _tile_stored(5, t[0], 64);
+    _tile_stored(7, t[1], 64);
+    _tile_stored(0, t[2], 64);
+    _tile_stored(2, t[3], 64);
     for (int64_t r = 0; r < rows; ++r) {
-      float* orow = o + r * D + 16 * c;
-      _mm512_storeu_ps(orow, _mm512_fmadd_ps(_mm512_loadu_ps(orow), _mm512_set1_ps(corr[r]), _mm512_load_ps(t + 16 * r)));
+      const __m512 cr = _mm512_set1_ps(corr[r]);
+      for (int u = 0; u < 4; ++u) {
+        float* orow = o + r * D + 16 * (c + u);
+        _mm512_storeu_ps(orow, _mm512_fmadd_ps(_mm512_loadu_ps(orow), cr, _mm512_load_ps(t[u] + 16 * r)));
+      }
     }
   }
 }
