@@ -145,7 +145,10 @@ def test_bf16_fused_decode_matches_transformers(tiny_model, mul):
     name, model_dir, _ = tiny_model
     model, config = load_model(model_dir, "bfloat16", "cpu")
     fused = model.model.fused
-    assert fused is not None and fused.dtype == torch.bfloat16 and fused.max_batch >= 4
+    assert fused is not None and fused.dtype == torch.bfloat16
+    # The kernel at 3 and 4 sequences, whatever this CPU's threshold (1 where the GEMM is on AMX
+    # tiles: fused_decode.FUSED_MAX_BATCH_BF16_AMX).
+    fused.max_batch = max(fused.max_batch, 4)
     fused.mul = mul
     spy = model.model.fused = Spy(fused)
     check_against_transformers(name, model_dir, model, config)

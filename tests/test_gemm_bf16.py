@@ -179,17 +179,20 @@ def test_no_cpu_kernels_keeps_onednn():
 @needs_fast
 def test_fused_layer_hands_over_earlier_when_the_gemm_runs(tmp_path):
     """With the GEMM behind the module path's linears, bf16 steps of more than
-    FUSED_MAX_BATCH_BF16_GEMM sequences take the module path (measured faster); with oneDNN's,
-    the fused layer keeps up to FUSED_MAX_BATCH_BF16."""
+    FUSED_MAX_BATCH_BF16_GEMM sequences (FUSED_MAX_BATCH_BF16_AMX where it runs on AMX tiles) take
+    the module path or the batched layer (measured faster); with oneDNN's, the fused layer keeps
+    up to FUSED_MAX_BATCH_BF16."""
     from conftest import build_model_dir
 
     from pagemill.cpu_kernels import decode_kernels
-    from pagemill.models.fused_decode import FUSED_MAX_BATCH_BF16, FUSED_MAX_BATCH_BF16_GEMM, FusedDecoder
+    from pagemill.models.fused_decode import (FUSED_MAX_BATCH_BF16, FUSED_MAX_BATCH_BF16_AMX,
+                                              FUSED_MAX_BATCH_BF16_GEMM, FusedDecoder)
     from pagemill.models.loader import load_model
     from pagemill.models.packed_linear import pack_all
 
     model, _ = load_model(build_model_dir(str(tmp_path), "llama_gqa"), torch.bfloat16, "cpu")
-    for asked, bound in (("kernel", FUSED_MAX_BATCH_BF16_GEMM), ("onednn", FUSED_MAX_BATCH_BF16)):
+    gemm_bound = FUSED_MAX_BATCH_BF16_AMX if kernel.amx else FUSED_MAX_BATCH_BF16_GEMM
+    for asked, bound in (("kernel", gemm_bound), ("onednn", FUSED_MAX_BATCH_BF16)):
         pack_all(model, True, asked)
         fused = FusedDecoder.build(model, decode_kernels())
         assert fused is not None and fused.max_batch == min(bound, fused._kernels.layer_max_rows)

@@ -64,6 +64,14 @@ FUSED_MAX_BATCH_BF16 = 8
 # medians of 20 steps, docs/cpu.md): 2 threads, batch 4 12.6 vs 14.4 ms, 5 18.0 vs 18.6, 6 19.9 vs
 # 16.1, 8 21.9 vs 17.9; 1 thread, batch 4 18.7 vs 19.1, 5 25.1 vs 20.3, 8 36.3 vs 24.4.
 FUSED_MAX_BATCH_BF16_GEMM = 4
+# ... and where that GEMM runs on AMX tiles (gemm_amx.h, from 4 rows; 2-3 rows its vdpbf16ps
+# tiles), whose batched decode layer takes over from 2 sequences. Measured on a 2-vCPU AMX Xeon
+# (2026-12-05; fused and batched layer alternating in blocks of 4 steps in one process, default
+# model, 2 threads, ~150-280 tokens of context, medians of 60 steps, two runs): batch 1 13.3 vs
+# 13.9 ms, 2 17.0-17.3 vs 14.7-15.1, 3 16.6-17.8 vs 16.4-16.8, 4 19.7-20.0 vs 16.2-17.1, 8 28.2
+# vs 20.3: this CPU's vdpbf16ps (~115 GFLOP/s a core) makes the layer's dot products
+# compute-bound from 2 rows.
+FUSED_MAX_BATCH_BF16_AMX = 1
 # int8 weights: the layer's maximum. The module path runs the same int8 kernel per linear plus
 # ~25 torch ops per layer; measured (benchmarks/int8_speed.py --fused-ab, 1 thread, rest bf16,
 # shared machine; docs/quantization.md) fused vs module path: batch 1 20.9 vs 35.3 ms, 4: 33.1
@@ -103,13 +111,15 @@ class FusedDecoder:
         self.dtype = dtype
         self.int8 = int8
         # (qkv's: gate_up's GEMM copy may have moved to the MLP's SwiGLU packing, layers.MLP.pack_swiglu)
-        gemm = dtype == torch.bfloat16 and getattr(getattr(layers[0].self_attn, "qkv_proj", None), "gemm", None) is not None
+        gemm = getattr(getattr(layers[0].self_attn, "qkv_proj", None), "gemm", None) if dtype == torch.bfloat16 else None
         if int8:
             bound = FUSED_MAX_BATCH_INT8
         elif dtype == torch.float32:
             bound = FUSED_MAX_BATCH
+        elif gemm is None:
+            bound = FUSED_MAX_BATCH_BF16
         else:
-            bound = FUSED_MAX_BATCH_BF16_GEMM if gemm else FUSED_MAX_BATCH_BF16
+            bound = FUSED_MAX_BATCH_BF16_AMX if gemm.amx else FUSED_MAX_BATCH_BF16_GEMM
         self.max_batch = min(bound, kernels.layer_max_rows)
         # bf16 only: how the linears multiply (cpu_kernels.BF16_MUL; benchmarks switch it).
         self.mul = "auto"
