@@ -209,13 +209,13 @@ inline void pack_values(const T* const* rows, int64_t n, void* dst) {
   }
 }
 
-// kAmx: both products on AMX tiles (prefill_attention_amx.h; bf16, D % 32 == 0), the
+// kAmx: both products on AMX tiles (prefill_attention_amx.h; bf16, D 64, 128 or 256), the
 // rest as it is.
 template <typename T, int NV, bool kAmx = false>
 void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch& w) {
   constexpr int D = 16 * NV;
   constexpr bool kDp = kPrefillDp<T>;
-  static_assert(!kAmx || (kDp && D % 32 == 0), "the tiles take bf16 pairs, 32 dims a step");
+  static_assert(!kAmx || (kDp && D % 64 == 0), "the tiles take bf16 pairs, 64 dims a values pass");
   const int64_t rows = (t.i1 - t.i0) * t.group, groups = (rows + 15) / 16, R = 16 * groups;
   // Queries transposed per row group: [group][D/2 pairs or D dims][16 lanes].
   // The tile's query rows are read once, from wherever the projection left them: ask for
@@ -368,7 +368,7 @@ void prefill_token(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch
 // dispatched below).
 inline bool prefill_takes_amx(int64_t D) {
 #if defined(PAGEMILL_AMX_ATTENTION)
-  return kPrefillDp<bf16> && (D == 64 || D == 128 || D == 256) && prefill_amx::takes<bf16>(D);
+  return kPrefillDp<bf16> && (D == 64 || D == 128 || D == 256) && amx::permitted();
 #else
   (void)D;
   return false;
@@ -385,7 +385,7 @@ void prefill_tile(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch&
         case 2: return prefill_tile_avx512<T, 4, true>(t, kv, w);
         case 4: return prefill_tile_avx512<T, 8, true>(t, kv, w);
         case 8: return prefill_tile_avx512<T, 16, true>(t, kv, w);
-        default: break;  // (other multiples of 32: the vdpbf16ps tile below)
+        default: break;
       }
     }
   }

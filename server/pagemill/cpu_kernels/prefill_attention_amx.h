@@ -1,5 +1,5 @@
 // prefill_attention.h's two products on AMX tiles (tdpbf16ps), for bf16
-// pools with head_dim a multiple of 32, where the CPU has AMX-BF16: the
+// pools of head size 64, 128 or 256, where the CPU has AMX-BF16: the
 // tile's walk, online softmax and roundings stay prefill_tile_avx512's.
 //
 // Why: with vdpbf16ps both products of a chunk of 16 keys x a row group of
@@ -19,8 +19,6 @@
 //   rows after their rescale, in float32 as before.
 #pragma once
 #include <stdint.h>
-
-#include <type_traits>
 
 #include "amx.h"
 #include "vec.h"
@@ -46,12 +44,6 @@ inline void configure() {
 }
 
 inline void release() { _tile_release(); }
-
-// Whether a pool of T with head size D takes the tiles in this process.
-template <typename T>
-inline bool takes(int64_t D) {
-  return std::is_same_v<T, bf16> && D % 32 == 0 && amx::permitted();
-}
 
 // acc[j] lane r = q[r] . k[j]: kb the chunk's 16 key rows (bf16, D apart, zero past its
 // keys), qt the row group's query pairs [D/2][16 lanes] (bf16 pairs).
@@ -134,11 +126,6 @@ inline void values(const void* pp, const void* vp, const float* corr, int64_t ro
       }
     }
   }
-}
-#else
-template <typename T>
-inline bool takes(int64_t) {
-  return false;
 }
 #endif
 
