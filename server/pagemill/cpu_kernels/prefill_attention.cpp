@@ -29,7 +29,7 @@ int pagemill_prefill_attention(const void* q, int q_bf16, int64_t q_stride, cons
 }
 
 // 1 where bf16 prompt chunks of head size D multiply on AMX tiles here (compiled in, Linux
-// granted them, D a multiple of 32 the tiles dispatch), else 0.
+// granted them, D 64, 128 or 256), else 0.
 int pagemill_prefill_attention_amx(int64_t D) { return pagemill::prefill_takes_amx(D) ? 1 : 0; }
 
 }  // extern "C"
