@@ -96,14 +96,23 @@ inline void store_sums(const Args& a, int64_t m0, int mr, int64_t b0, int nb, co
     }
     return;
   }
-  for (int j = 0; j < nb; ++j) {
+  // Two blocks at a time, each row's 32 outputs in one store: a wide output's rows (the LM
+  // head's [rows, 49152]: 96 KB apart) share their L1 and L2 sets, and a line written half by
+  // half was evicted in between and fetched twice (measured: the head at 64 rows took 1.3x).
+  for (int j = 0; j < nb; j += 2) {
     const int64_t n = (b0 + j) * kBlock;
-    const int64_t valid = a.N - n < kBlock ? a.N - n : kBlock;
-    const __mmask16 mask = valid >= kBlock ? (__mmask16)0xffff : (__mmask16)((1u << valid) - 1);
-    const __m512 bias = a.bias ? load16(a.bias + n, valid) : _mm512_setzero_ps();
-    for (int m = 0; m < mr; ++m)
-      _mm256_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + n, mask,
-                               narrow_bf16(_mm512_add_ps(_mm512_load_ps(sums + m * ld + j * kBlock), bias)));
+    const int64_t valid = a.N - n < 2 * kBlock ? a.N - n : 2 * kBlock;
+    const __mmask32 mask = valid >= 2 * kBlock ? (__mmask32)0xffffffffu : (__mmask32)((1u << valid) - 1);
+    const int64_t valid1 = valid - kBlock < 0 ? 0 : valid - kBlock;  // of the second block (j + 1 < nb or 0)
+    const __m512 bias0 = a.bias ? load16(a.bias + n, valid < kBlock ? valid : kBlock) : _mm512_setzero_ps();
+    const __m512 bias1 = a.bias && valid1 > 0 ? load16(a.bias + n + kBlock, valid1) : _mm512_setzero_ps();
+    for (int m = 0; m < mr; ++m) {
+      const __m256i lo = narrow_bf16(_mm512_add_ps(_mm512_load_ps(sums + m * ld + j * kBlock), bias0));
+      const __m256i hi = j + 1 < nb ? narrow_bf16(_mm512_add_ps(_mm512_load_ps(sums + m * ld + (j + 1) * kBlock), bias1))
+                                    : _mm256_setzero_si256();
+      _mm512_mask_storeu_epi16(a.y + (m0 + m) * a.ldy + n, j + 1 < nb ? mask : (mask & 0xffffu),
+                               _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    }
   }
 }
 
