@@ -1,5 +1,5 @@
-"""The router planning decode steps ahead of the reply in flight (`--schedule-ahead`), end to
-end: concurrent streams of mixed lengths, a request joining a running batch, a client leaving
+"""The router planning decode steps ahead of the reply in flight (`--schedule-ahead`: at every
+batch size; by default from 16 sequences), end to end: concurrent streams of mixed lengths, a request joining a running batch, a client leaving
 mid-stream, and the same greedy tokens as one step at a time."""
 
 import concurrent.futures as cf
@@ -40,15 +40,32 @@ def test_streams_planned_ahead_complete_with_every_token_and_free_their_blocks(a
 
 
 def test_tokens_are_those_of_one_step_at_a_time(ahead, tiny_model_dir):
-    """The same greedy requests on a server without --schedule-ahead give the same tokens."""
+    """The same greedy requests on a server with --no-schedule-ahead give the same tokens."""
     got = [greedy(ahead.url, i, 24) for i in range(3)]
-    plain = launch(str(tiny_model_dir))
+    plain = launch(str(tiny_model_dir), "--no-schedule-ahead")
     try:
         want = [greedy(plain.url, i, 24) for i in range(3)]
         assert plain.metric("pagemill_steps_ahead_total") == 0
     finally:
         plain.stop()
     assert got == want
+
+
+def test_by_default_only_steps_of_16_sequences_go_ahead(tiny_model_dir):
+    s = launch(str(tiny_model_dir))
+    try:
+        with cf.ThreadPoolExecutor(3) as pool:  # three at a time: never ahead
+            small = list(pool.map(lambda i: greedy(s.url, i, 24), range(3)))
+        assert s.metric("pagemill_steps_ahead_total") == 0
+        body = {"parameters": {"max_new_tokens": 48, "ignore_eos_token": True}}
+        with cf.ThreadPoolExecutor(20) as pool:  # twenty: the steps of 16+ go ahead
+            codes = list(pool.map(lambda i: httpx.post(f"{s.url}/generate", json={"inputs": prompt(i), **body},
+                                                       timeout=300).status_code, range(20)))
+        assert codes == [200] * 20
+        assert s.metric("pagemill_steps_ahead_total") > 0, "no step of 16+ sequences went ahead"
+    finally:
+        s.stop()
+    assert all(len(t) == 24 for t in small)
 
 
 def test_a_client_leaving_and_one_joining_while_steps_go_ahead(ahead):

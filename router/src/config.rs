@@ -106,11 +106,15 @@ pub struct RouterConfig {
     /// admit the queued request with the longest cached prefix first (SGLang's LPM)
     #[arg(long)]
     pub cache_aware_admission: bool,
-    /// send the next decode step while the shard still computes the current one, hiding the
-    /// router's work and the gRPC round trip between two steps (off: on a 2-core CPU the work it
-    /// overlaps takes cores from the forward, and int8 batch-1 decode got slower; docs/architecture.md)
-    #[arg(long)]
+    /// send the next decode step while the shard still computes the current one at every batch
+    /// size, hiding the router's work and the gRPC round trip between two steps. Without it the
+    /// router does so from 16 sequences: below, on a 2-core CPU the work it overlaps takes cores
+    /// from the forward (int8 batch-1 decode got slower; docs/architecture.md)
+    #[arg(long, conflicts_with = "no_schedule_ahead")]
     pub schedule_ahead: bool,
+    /// never send a decode step before the reply of the one in flight
+    #[arg(long)]
+    pub no_schedule_ahead: bool,
     /// a queued request's `priority` improves by one per this many ms waited: only better-priority
     /// requests arriving within (priority gap) x this after it can overtake it (0: no aging)
     #[arg(long, default_value_t = 1000)]
@@ -337,7 +341,7 @@ mod tests {
         assert_eq!((c.max_top_n_tokens, c.default_max_new_tokens, c.max_best_of), (5, 100, 4));
         assert_eq!((c.payload_limit, c.validation_workers), (2_000_000, 2));
         assert_eq!((c.shutdown_timeout_s, c.max_queue_wait_ms), (30, 120_000));
-        assert!(c.prefix_caching && !c.cache_aware_admission && !c.schedule_ahead);
+        assert!(c.prefix_caching && !c.cache_aware_admission && !c.schedule_ahead && !c.no_schedule_ahead);
         assert_eq!((c.api_key, c.log_level.as_str()), (None, "info"));
         assert!(c.shard_uds_paths.is_empty() && c.tokenizer_dir.as_os_str().is_empty() && c.model_id.is_empty());
     }
@@ -357,6 +361,9 @@ mod tests {
         assert_eq!((c.max_batch_total_tokens, c.payload_limit, c.shutdown_timeout_s), (Some(9000), 512 << 10, 5));
         assert!(!c.prefix_caching && c.cache_aware_admission && c.schedule_ahead);
         assert_eq!((c.api_key.as_deref(), c.log_level.as_str()), (Some("k"), "debug"));
+        let c = parse(&["--no-schedule-ahead"]).unwrap();
+        assert!(c.no_schedule_ahead && !c.schedule_ahead);
+        assert!(parse(&["--schedule-ahead", "--no-schedule-ahead"]).is_err(), "the two contradict each other");
         let argv = ["--shard-uds-path", "/s", "--tokenizer-dir", "/m"];
         assert_eq!(parse(&argv).unwrap().check(), Ok(()));
         // Repeated: the last value wins, a list collects, a flag may repeat.

@@ -112,7 +112,11 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         priority_aging: (config.priority_aging_ms > 0).then(|| Duration::from_millis(config.priority_aging_ms)),
         max_running_per_tenant: (config.max_running_per_tenant > 0).then_some(config.max_running_per_tenant),
         sliding_window: shard_info.sliding_window,
-        schedule_ahead: config.schedule_ahead,
+        schedule_ahead_from: match (config.schedule_ahead, config.no_schedule_ahead) {
+            (_, true) => 0,
+            (true, false) => 1,
+            (false, false) => scheduler::AHEAD_FROM_SEQUENCES,
+        },
     };
     // Alive from here, so that /health is right before the tasks first run.
     state.scheduler_alive.store(true, Ordering::SeqCst);

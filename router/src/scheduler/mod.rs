@@ -32,6 +32,7 @@ mod tests_requeue;
 #[cfg(test)]
 mod tests_ahead;
 
+pub use ahead::AHEAD_FROM_SEQUENCES;
 pub use plan::{schedule, StepPlan};
 pub use recover::is_group_down;
 pub use run::Scheduler;
@@ -67,6 +68,7 @@ pub struct SchedulerConfig {
     /// The model's window when every layer slides (0: some layer is global):
     /// blocks wholly behind it go back to the pool while a sequence runs.
     pub sliding_window: u32,
-    /// Send the next decode step before the reply of the one in flight (ahead.rs).
-    pub schedule_ahead: bool,
+    /// Send the next decode step before the reply of the one in flight when that step has at
+    /// least this many sequences (ahead.rs); 0: never.
+    pub schedule_ahead_from: u32,
 }

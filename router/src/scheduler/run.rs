@@ -100,7 +100,7 @@ impl Scheduler {
             };
             let InFlight { plan, mut step, sent } = current;
             let first = futures::poll!(step.as_mut());
-            if first.is_pending() && self.state.config.schedule_ahead {
+            if first.is_pending() && self.state.config.schedule_ahead_from > 0 {
                 // On the connection before the next step is (the shard runs them in arrival order).
                 ahead = self.send_ahead(&plan).await;
             }
@@ -391,7 +391,7 @@ mod tests {
             priority_aging: None,
             max_running_per_tenant: None,
             sliding_window: 0,
-            schedule_ahead: true,
+            schedule_ahead_from: 1,
         }
     }
 

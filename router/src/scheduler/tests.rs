@@ -39,7 +39,7 @@ pub(super) fn config(mixed: Option<u32>, chunk: Option<u32>, speculate: u32) -> 
         priority_aging: None,
         max_running_per_tenant: None,
         sliding_window: 0,
-        schedule_ahead: true,
+        schedule_ahead_from: 1,
     }
 }
 

@@ -83,6 +83,36 @@ fn decodes_planned_ahead_give_the_models_tokens() {
 }
 
 #[test]
+fn steps_go_ahead_only_from_the_configured_batch() {
+    // Three sequences of 3, 8 and 20 tokens: the decode steps have 3, then 2, then 1 of them.
+    let lens = [(4u32, 3u32), (6, 8), (5, 20)];
+    let mut pipelined_from = Vec::new();
+    for from in [0u32, 1, 2, 3, 4] {
+        let mut cfg = config(None, None, 0);
+        cfg.schedule_ahead_from = from;
+        let (mut st, mut shard) = setup(cfg, 100);
+        for (i, &(len, n)) in lens.iter().enumerate() {
+            st.enqueue(entry(i as u64, request(prompt(i as u64, len), n), None));
+        }
+        let (out, pipelined) = drive_ahead(&mut st, &mut shard, vec![]);
+        for (i, &(len, n)) in lens.iter().enumerate() {
+            assert_eq!(out.tokens[&(i as u64)], expected(&prompt(i as u64, len), n), "request {i}, from {from}");
+        }
+        // Every step sent ahead followed a step of at least `from` sequences.
+        let mut sizes = shard.steps.iter().map(|s| s.requests.len());
+        let mut prev = sizes.next().unwrap_or(0);
+        let eligible = sizes.filter(|&n| { let ok = prev >= from.max(1) as usize && n > 0; prev = n; ok }).count();
+        assert!(pipelined <= eligible, "from {from}: {pipelined} ahead, {eligible} steps after a big enough one");
+        pipelined_from.push(pipelined);
+        assert_no_leak(&st);
+    }
+    assert_eq!(pipelined_from[0], 0, "0 means never");
+    assert_eq!(pipelined_from[4], 0, "no step ever had 4 sequences");
+    assert!(pipelined_from[1] > pipelined_from[2] && pipelined_from[2] > pipelined_from[3] && pipelined_from[3] > 0,
+            "{pipelined_from:?}");
+}
+
+#[test]
 fn a_sequence_the_step_in_flight_ends_by_eos_is_dropped_quietly() {
     // A prompt whose third generated token is EOS, next to a long one.
     let p = (0..5000u32)
