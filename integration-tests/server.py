@@ -52,10 +52,33 @@ class Server:
                 return float(line.split()[1])
         raise KeyError(name)
 
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 60) -> int:
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 90) -> int:
+        """The launcher's exit code. Its own stop allows the router's drain
+        (--shutdown-timeout, 30 s) + 10 s, then the shards 15 s; past `timeout`
+        the whole tree is killed and the test fails with the last log lines."""
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
-        return self.proc.wait(timeout)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self._kill_tree()
+            tail = "\n".join(list(self.log)[-80:])
+            raise AssertionError(f"the server did not exit within {timeout:.0f} s of signal {sig}; its last "
+                                 f"log lines:\n{tail}") from None
+
+    def _kill_tree(self) -> None:
+        import psutil
+
+        try:
+            procs = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            procs = []
+        for p in [*procs, self.proc]:
+            try:
+                p.kill()
+            except (psutil.NoSuchProcess, ProcessLookupError):
+                pass
+        self.proc.wait(10)
 
     def logs(self) -> str:
         return "\n".join(self.log)
