@@ -21,15 +21,17 @@
 //! runs after this one.
 
 use super::plan::{Planned, StepPlan};
+use super::state::State;
+use crate::proto::pb;
 
 /// The fewest sequences of a step in flight for which the next is planned ahead unless the
 /// operator says otherwise (`--schedule-ahead`: from 1, `--no-schedule-ahead`: never).
-/// Measured on a 2-core CPU (docs/architecture.md): at 64 concurrent requests sending ahead
-/// served ~4% more tokens/s (6 alternating pairs), while at one sequence the work it
-/// overlaps took a core from the forward (int8 batch-1 decode 11% slower).
+/// Measured on a 2-core CPU (docs/architecture.md): at 64 concurrent requests the gap between
+/// two forwards fell from ~3 to ~2 ms a step, the forward, sharing the cores with the
+/// overlapped work, took up to as much longer (net -2% to +4% in four paired runs), while at
+/// one sequence the overlap lost outright (int8 batch-1 decode 11% slower). Without spare
+/// host cores (a GPU shard) the gap is all gain.
 pub const AHEAD_FROM_SEQUENCES: u32 = 16;
-use super::state::State;
-use crate::proto::pb;
 
 /// The step after `inflight`, or None when this step must wait for its reply.
 pub fn plan_ahead(st: &mut State, inflight: &StepPlan) -> Option<StepPlan> {

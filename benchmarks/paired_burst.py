@@ -1,0 +1,121 @@
+"""Two pagemill builds side by side on `bench compare`'s c=64 workload, bursts alternating.
+
+    python benchmarks/paired_burst.py --a /path/to/tree-a --b /path/to/tree-b --rounds 8 \
+        --a-args "--no-schedule-ahead" --json benchmarks/results/NAME/pairs.json
+
+Why: one `bench compare` run of a server varies by +-5% on a shared 2-core machine, more
+than most single changes are worth. Here both servers (each `python -m pagemill launch`
+run from its tree's `server/` directory, bf16) stay up, idle but for their own burst, and
+the bursts alternate A, B, B, A, ...: 64 requests at once, prompts 32-256 tokens, outputs
+16-256 (ignore EOS), a new seed each round (so no prefix is cached), the same seed for both
+servers of a round. Prints each pair's tok/s and their ratio, and the medians, including
+the mean forward and step time from the router's counters (their difference: the time
+between two forwards).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+import types
+
+PORTS = {"a": 8077, "b": 8078}
+
+
+def launch(tree: str, port: int, extra: str, log: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=os.path.join(tree, "server"))
+    argv = [sys.executable, "-m", "pagemill", "launch", "--port", str(port), "--model-id", "SmolLM2-135M-Instruct",
+            "--dtype", "bfloat16", *shlex.split(extra)]  # fmt: skip
+    return subprocess.Popen(argv, cwd=tree, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
+def wait_ready(port: int, timeout: float = 300) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(2)
+    raise TimeoutError(f"no server on port {port}")
+
+
+def burst(port: int, seed: int, tok, warm_first: bool) -> dict:
+    from pagemill.bench.compare import MODEL_NAME, _counters, _step_accounting, measure, workload_requests
+    from pagemill.bench.load import LoadConfig, run_load, warm
+
+    a = types.SimpleNamespace(num_prompts=64, input_min=32, input_max=256, output_min=16, output_max=256, seed=seed,
+                              batch1_prompts=4, batch1_input_len=64, batch1_output_len=128, concurrency=64)  # fmt: skip
+    main, _, w = workload_requests(a, tok)
+    cfg = LoadConfig(base_url=f"http://127.0.0.1:{port}", endpoint="openai", model=MODEL_NAME, max_concurrency=64,
+                     seed=seed, progress=False, keepalive=False)  # fmt: skip
+    if warm_first:
+        asyncio.run(warm(cfg, w[0], n=2))
+        asyncio.run(run_load(w, cfg, desc="warm-up"))
+    before = _counters(cfg.base_url)
+    records, duration = asyncio.run(run_load(main, cfg, desc="burst"))
+    metrics, check = measure(records, main, duration)
+    return {"seed": seed, "tok_s": metrics["output_throughput"], "ttft_p99_ms": metrics["ttft"]["percentiles_ms"]["p99"],
+            "tokens_ok": check.ok, "steps": _step_accounting(before, _counters(cfg.base_url))}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--a", required=True, help="tree A (its server/ is put on PYTHONPATH)")
+    p.add_argument("--b", required=True, help="tree B")
+    p.add_argument("--a-args", default="", help="extra `pagemill launch` flags for A")
+    p.add_argument("--b-args", default="")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--json")
+    a = p.parse_args()
+    from tokenizers import Tokenizer
+
+    from pagemill.bench.cli import resolve_model_dir
+
+    tok = Tokenizer.from_file(os.path.join(resolve_model_dir(None), "tokenizer.json"))
+    procs = {k: launch(getattr(a, k), PORTS[k], getattr(a, f"{k}_args"), f"/tmp/paired_burst_{k}.log") for k in PORTS}
+    runs: dict[str, list[dict]] = {"a": [], "b": []}
+    try:
+        for k in PORTS:
+            wait_ready(PORTS[k])
+            burst(PORTS[k], 0, tok, warm_first=True)  # warm-up, not counted
+        for r in range(1, a.rounds + 1):
+            for k in ("a", "b") if r % 2 else ("b", "a"):
+                runs[k].append(burst(PORTS[k], 100 + r, tok, warm_first=False))
+            ra, rb = runs["a"][-1]["tok_s"], runs["b"][-1]["tok_s"]
+            print(f"round {r}: A {ra:.1f}  B {rb:.1f} tok/s  A/B {ra / rb:.3f}", flush=True)
+    finally:
+        for proc in procs.values():
+            proc.terminate()
+        for proc in procs.values():
+            proc.wait(120)
+
+    def med(k: str, f) -> float:
+        return statistics.median(f(x) for x in runs[k])
+
+    ratios = [x["tok_s"] / y["tok_s"] for x, y in zip(runs["a"], runs["b"])]
+    print("| build | tok/s median | forward ms | step ms | TTFT p99 ms |\n| --- | ---: | ---: | ---: | ---: |")
+    for k in PORTS:
+        print(f"| {k.upper()} | {med(k, lambda x: x['tok_s']):.1f} | {med(k, lambda x: x['steps']['mean_forward_ms']):.2f} | "
+              f"{med(k, lambda x: x['steps']['mean_step_ms']):.2f} | {med(k, lambda x: x['ttft_p99_ms']):.0f} |")  # fmt: skip
+    print(f"pair ratios A/B: {' '.join(f'{x:.3f}' for x in ratios)}; median {statistics.median(ratios):.3f}")
+    if not all(x["tokens_ok"] for k in PORTS for x in runs[k]):
+        print("warning: some burst got fewer tokens than it asked for")
+    if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
+        with open(a.json, "w") as f:
+            json.dump({"args": vars(a), "runs": runs, "ratios": ratios}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
