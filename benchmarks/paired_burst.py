@@ -5,7 +5,7 @@
 
 Why: one `bench compare` run of a server varies by +-5% on a shared 2-core machine, more
 than most single changes are worth. Here both servers (each `python -m pagemill launch`
-run from its tree's `server/` directory, bf16) stay up, idle but for their own burst, and
+from its tree's `server/` directory, bf16, as `bench compare` starts it) stay up, idle but for their own burst, and
 the bursts alternate A, B, B, A, ...: 64 requests at once, prompts 32-256 tokens, outputs
 16-256 (ignore EOS), a new seed each round (so no prefix is cached), the same seed for both
 servers of a round. Prints each pair's tok/s and their ratio, and the medians, including
@@ -19,35 +19,23 @@ import argparse
 import asyncio
 import json
 import os
-import shlex
 import statistics
-import subprocess
 import sys
-import time
 import types
+from contextlib import ExitStack
+
+from pagemill.bench import peer_configs
+from pagemill.bench.compare import PeerServer
+from pagemill.bench.peer_configs import ServerConfig
 
 PORTS = {"a": 8077, "b": 8078}
 
 
-def launch(tree: str, port: int, extra: str, log: str) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONPATH=os.path.join(tree, "server"))
-    argv = [sys.executable, "-m", "pagemill", "launch", "--port", str(port), "--model-id", "SmolLM2-135M-Instruct",
-            "--dtype", "bfloat16", *shlex.split(extra)]  # fmt: skip
-    return subprocess.Popen(argv, cwd=tree, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-
-
-def wait_ready(port: int, timeout: float = 300) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(2)
-    raise TimeoutError(f"no server on port {port}")
+def server(tree: str, extra: str) -> ServerConfig:
+    """bench compare's pagemill preset (bf16), run from `tree`'s sources."""
+    config = peer_configs.pagemill(os.path.basename(os.path.abspath(tree)), "bf16", f"--dtype bfloat16 {extra}")
+    config.env["PYTHONPATH"] = os.path.join(os.path.abspath(tree), "server")
+    return config
 
 
 def burst(port: int, seed: int, tok, warm_first: bool) -> dict:
@@ -82,23 +70,20 @@ def main() -> None:
 
     from pagemill.bench.cli import resolve_model_dir
 
-    tok = Tokenizer.from_file(os.path.join(resolve_model_dir(None), "tokenizer.json"))
-    procs = {k: launch(getattr(a, k), PORTS[k], getattr(a, f"{k}_args"), f"/tmp/paired_burst_{k}.log") for k in PORTS}
+    model_dir = resolve_model_dir(None)
+    tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
     runs: dict[str, list[dict]] = {"a": [], "b": []}
-    try:
-        for k in PORTS:
-            wait_ready(PORTS[k])
-            burst(PORTS[k], 0, tok, warm_first=True)  # warm-up, not counted
+    with ExitStack() as stack:
+        for k in PORTS:  # each started, ready and warmed up (not counted) before the next
+            values = {"python": sys.executable, "port": str(PORTS[k]), "model_dir": model_dir}
+            stack.enter_context(PeerServer(server(getattr(a, k), getattr(a, f"{k}_args")), values,
+                                           f"/tmp/paired_burst_{k}.log", timeout_s=300))  # fmt: skip
+            burst(PORTS[k], 0, tok, warm_first=True)
         for r in range(1, a.rounds + 1):
             for k in ("a", "b") if r % 2 else ("b", "a"):
                 runs[k].append(burst(PORTS[k], 100 + r, tok, warm_first=False))
             ra, rb = runs["a"][-1]["tok_s"], runs["b"][-1]["tok_s"]
             print(f"round {r}: A {ra:.1f}  B {rb:.1f} tok/s  A/B {ra / rb:.3f}", flush=True)
-    finally:
-        for proc in procs.values():
-            proc.terminate()
-        for proc in procs.values():
-            proc.wait(120)
 
     def med(k: str, f) -> float:
         return statistics.median(f(x) for x in runs[k])
