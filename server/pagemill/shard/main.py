@@ -14,6 +14,7 @@ import torch
 
 from pagemill.config import ShardConfig
 from pagemill.parallel.group import ParallelConfig, ParallelGroup, rank_device
+from pagemill.shard.allocator import keep_freed_memory
 from pagemill.shard.auth import TokenAuth, read_token
 from pagemill.shard.engine import ModelRunner
 from pagemill.shard.service import ShardService, new_model_thread
@@ -36,6 +37,7 @@ def serve(config: ShardConfig) -> None:
         raise ValueError("--listen (TCP) needs --shard-auth-token-file: the router's calls are authenticated")
     # Read before loading: a missing token file fails in a second, not after the model loads.
     token = read_token(config.shard_auth_token_file) if config.shard_auth_token_file else None
+    keep_freed_memory()  # before the first large allocation: steps then reuse their pages
     # Rendezvous first (cheap), then load: every rank loads only its slices.
     group = ParallelGroup.init(
         ParallelConfig(
