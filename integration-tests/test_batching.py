@@ -97,6 +97,9 @@ def test_disconnected_client_frees_blocks_within_a_decode_step(server):
         # the router sent ahead of that one's reply (scheduler/ahead.rs).
         print(f"\ndisconnect: batch free after {steps_at_free - steps_at_close:.0f} decode steps")
         assert steps_at_free - steps_at_close <= 5, (steps_at_close, steps_at_free)
-        assert used_after < used_with_both - 5
+        # The prompt alone (192 words, a token or more each) filled this many blocks; the
+        # keeper may have taken one more meanwhile.
+        full_blocks = len(WORDS) * 12 // info["block_size"]
+        assert used_with_both - used_after >= full_blocks - 1, (used_with_both, used_after, full_blocks)
         assert keeper.result().status_code == 200
     assert wait_all_free(server)["kv_blocks_used"] == 0

@@ -87,4 +87,4 @@ def test_health_and_info(server):
     assert info["router"] == "pagemill"
     assert info["max_total_tokens"] == 2048
     assert info["kv_blocks_total"] > 0
-    assert info["block_size"] == 16
+    assert info["block_size"] == 64  # the CPU default (shard/kv_pool.py)

@@ -5,7 +5,7 @@ import pytest
 
 from server import launch
 
-COMMON = ("--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--max-input-tokens", "512",
+COMMON = ("--dtype", "bfloat16", "--block-size", "16", "--kv-cache-memory", "64MiB", "--max-input-tokens", "512",
           "--max-total-tokens", "640", "--max-batch-prefill-tokens", "1024")
 PROMPTS = ["The capital of France is", "Write a haiku about the sea.", "def fibonacci(n):",
            "List three primary colors:"]

@@ -25,7 +25,7 @@ AGING_MS = 1000
 
 @pytest.fixture(scope="module")
 def small(tiny_model_dir):
-    s = launch(str(tiny_model_dir), "--kv-cache-memory", str(BLOCKS * 16 * BYTES_PER_TOKEN),
+    s = launch(str(tiny_model_dir), "--block-size", "16", "--kv-cache-memory", str(BLOCKS * 16 * BYTES_PER_TOKEN),
                "--max-input-tokens", "512", "--max-total-tokens", "1024", "--max-batch-prefill-tokens", "1024",
                "--max-batch-size", "1", "--max-concurrent-requests", "64", "--priority-aging-ms", str(AGING_MS))
     yield s

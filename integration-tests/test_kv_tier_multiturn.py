@@ -43,7 +43,8 @@ def test_multi_turn_evicts_to_the_tier_and_hits_it(default_model_dir, tmp_path):
     base = system_prompt(default_model_dir, DOC_TOKENS)
     docs = [f"Conversation {u}. {base}" for u in range(USERS)]
     # Working set ~ USERS x 380 tokens; the small pool holds 26 blocks (416 tokens), about a quarter.
-    common = ("--max-batch-prefill-tokens", "512", "--max-input-tokens", "400", "--max-total-tokens", "416")
+    common = ("--max-batch-prefill-tokens", "512", "--max-input-tokens", "400", "--max-total-tokens", "416",
+              "--block-size", str(BLOCK))
     small = launch(str(default_model_dir), *common, *pool_args(default_model_dir, 27),
                    "--kv-offload-dir", str(tmp_path / "kv"))
     try:

@@ -12,7 +12,7 @@ from server import launch
 from test_kv_cache import system_prompt
 
 ARGS = ("--max-batch-prefill-tokens", "2048", "--max-input-tokens", "1200", "--max-total-tokens", "1300",
-        "--kv-cache-memory", "256MiB")
+        "--kv-cache-memory", "256MiB", "--block-size", "16")
 BLOCK = 16
 
 

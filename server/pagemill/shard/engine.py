@@ -43,7 +43,7 @@ from pagemill.shard.requests import Entry, Limits, RequestState, apply_step, che
 from pagemill.shard.speculation import num_proposals, propose, verify_step
 from pagemill.shard.step_inputs import build_inputs, is_decode_step
 from pagemill.shard.threads import ThreadChoice, thread_counts
-from pagemill.shard.kv_pool import KVPool
+from pagemill.shard.kv_pool import KVPool, resolve_block_size
 from pagemill.shard.kv_tier import TierOptions, TierResult, open_tier, run_ops
 from pagemill.shard.warmup import allocate_pools, cuda_budget, dummy_steps
 from pagemill.speculative.draft import DraftProposer
@@ -128,6 +128,7 @@ class ModelRunner:
         """group: the tensor-parallel group of cfg.rank (None: a single unsharded shard)."""
         group = group or ParallelGroup.single(cfg.device)
         device = group.device  # with several CUDA ranks: this rank's GPU
+        block_size = resolve_block_size(cfg.block_size, device.type)
         backend = select_backend(cfg.attention, device, cpu_kernels=cfg.cpu_kernels)
         dtype, why = resolve_dtype(cfg.dtype, device)
         log.info("dtype %s (%s)", dtype, why)
@@ -142,12 +143,12 @@ class ModelRunner:
             # communication), fed the same inputs and sampler, so proposals agree.
             d_model, d_config = load_model(cfg.draft_model, parse_dtype(dtype), device, backend,
                                            cpu_kernels=cfg.cpu_kernels)
-            draft = DraftProposer(d_model, d_config, device, cfg.block_size)
+            draft = DraftProposer(d_model, d_config, device, block_size)
         return cls(
             model,
             config,
             device=device,
-            block_size=cfg.block_size,
+            block_size=block_size,
             kv_cache_memory=cfg.kv_cache_memory,
             gpu_memory_utilization=cfg.gpu_memory_utilization,
             model_id=os.path.basename(os.path.normpath(cfg.model_dir)),

@@ -17,6 +17,25 @@ from pagemill.models.huge_pages import huge_zeros
 
 SCRATCH_BLOCK = 0
 
+# --block-size 0 (auto). On the CPU a decode step streams every running sequence's K and V
+# from memory, block by block, and a block's rows are contiguous while blocks are scattered
+# over the pool: measured end to end (benchmarks/paired_burst.py, 64 requests at once,
+# default model, bf16), 64-token blocks served 1.06x the tok/s of 16-token ones (6 of 6
+# pairs), 128-token blocks 0.99x 64-token ones. vLLM's CPU backend defaults to 128. The
+# cost: prefixes are shared in whole blocks, and a sequence's last block is half empty on
+# average. CUDA keeps 16 (its kernels gather keys one by one; docs/gpu.md).
+CPU_BLOCK_SIZE = 64
+CUDA_BLOCK_SIZE = 16
+
+
+def resolve_block_size(block_size: int, device_type: str) -> int:
+    """--block-size as given, or the device's default for 0; ValueError below 0."""
+    if block_size < 0:
+        raise ValueError(f"--block-size must be positive (or 0: the device's default), got {block_size}")
+    if block_size:
+        return block_size
+    return CUDA_BLOCK_SIZE if device_type == "cuda" else CPU_BLOCK_SIZE
+
 
 @dataclass
 class KVPool:
