@@ -258,3 +258,96 @@ def test_mlp_packs_gate_up_for_the_swiglu_epilogue(llama_dir):
     assert torch.equal(ours, ref)
     plain = load_model(llama_dir, "bfloat16", "cpu", cpu_kernels=False)[0]
     assert all(m.swiglu is None for m in plain.modules() if type(m) is MLP)
+
+
+def _shares_fn():
+    import ctypes
+
+    lib = build_library()
+    fn = lib.pagemill_gemm_bf16_shares
+    vp, i64 = ctypes.c_void_p, ctypes.c_int64
+    fn.restype = ctypes.c_int
+    fn.argtypes = [vp, i64, vp, vp, vp, i64, i64, i64, i64, ctypes.c_int, ctypes.POINTER(ctypes.c_double),
+                   ctypes.c_int]  # fmt: skip
+    return fn
+
+
+def _with_shares(x, packed, b, n_out, n_rows_w, cum, swiglu=False) -> torch.Tensor:
+    """The kernel on a team of len(cum) - 1 threads splitting the blocks at `cum` (team_balance.h)."""
+    import ctypes
+
+    m, k = x.shape
+    y = torch.full((m, n_out), float("nan"), dtype=torch.bfloat16)
+    shares = (ctypes.c_double * len(cum))(*cum)
+    rc = _shares_fn()(x.data_ptr(), k, packed.data_ptr(), 0 if b is None else b.data_ptr(), y.data_ptr(), n_out, m,
+                      n_rows_w, k, int(swiglu), shares, len(cum) - 1)  # fmt: skip
+    assert rc == 0
+    return y
+
+
+def _one_thread(fn, *args) -> torch.Tensor:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(before)
+
+
+# Thread 0's share of the blocks: none, a quarter, most, all; and three threads, one with none.
+SHARES = [(0.0, 0.0, 1.0), (0.0, 0.25, 1.0), (0.0, 0.8, 1.0), (0.0, 1.0, 1.0), (0.0, 0.3, 0.3, 1.0)]
+
+
+@needs_fast
+@pytest.mark.parametrize("m,n,k", [(5, 48, 64), (64, 960, 576), (300, 200, 96), (2, 33, 32)])
+@pytest.mark.parametrize("cum", SHARES)
+def test_uneven_shares_give_the_bits_of_one_thread(m, n, k, cum):
+    """However the adapted shares split the blocks (team_balance.h), every output is computed once,
+    by one thread, with the same arithmetic: the one-thread call's bits, no output left unwritten."""
+    x, w, b = _case(m, n, k, True)
+    packed = pack_bf16(w)
+    ours = _with_shares(x, packed, b, n, n, cum)
+    assert torch.equal(ours, _one_thread(kernel, x, packed, b, n))
+
+
+@needs_fast
+@pytest.mark.parametrize("cum", SHARES)
+def test_uneven_shares_keep_swiglu_pairs_whole(cum):
+    from pagemill.cpu_kernels.gemm import pack_swiglu
+
+    x, w, _ = _case(40, 2 * 96, 64, False)
+    packed = pack_swiglu(w)
+    ours = _with_shares(x, packed, None, 96, 2 * 96, cum, swiglu=True)
+    assert torch.equal(ours, _one_thread(kernel.swiglu, x, packed, None))
+
+
+def _update(cum, busy):
+    import ctypes
+
+    lib = build_library()
+    fn = lib.pagemill_team_balance_update
+    fn.restype = None
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_double), ctypes.POINTER(ctypes.c_double)]
+    c = (ctypes.c_double * len(cum))(*cum)
+    fn(len(cum) - 1, c, (ctypes.c_double * len(busy))(*busy))
+    return list(c)
+
+
+@needs_kernel
+def test_the_slower_thread_gets_fewer_blocks_within_bounds():
+    # Equal times keep the shares; thread 0 twice as slow: its share moves a quarter of the way
+    # toward the third that would have finished with thread 1 (0.5 -> 0.4583).
+    assert _update([0, 0.5, 1], [1.0, 1.0]) == pytest.approx([0, 0.5, 1])
+    assert _update([0, 0.5, 1], [2.0, 1.0])[1] == pytest.approx(0.75 * 0.5 + 0.25 / 3)
+    assert _update([0, 0.5, 1], [1.0, 2.0])[1] == pytest.approx(1 - (0.75 * 0.5 + 0.25 / 3))
+    # A thread that keeps losing its core never drops below half an even share.
+    cum = [0, 0.5, 1]
+    for _ in range(50):
+        cum = _update(cum, [100.0, 1.0])
+    assert cum[1] == pytest.approx(0.25)
+    # Nothing measured for a thread (no share, or no call): no change.
+    assert _update([0, 0.4, 1], [0.0, 1.0]) == pytest.approx([0, 0.4, 1])
+    # Three threads: rising, from 0 to 1, the slowest with the smallest share.
+    c3 = _update([0, 1 / 3, 2 / 3, 1], [1.0, 3.0, 1.0])
+    assert c3[0] == 0 and c3[3] == 1 and c3[0] < c3[1] < c3[2] < c3[3]
+    assert c3[2] - c3[1] < c3[1] - c3[0]

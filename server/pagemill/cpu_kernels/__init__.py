@@ -50,7 +50,7 @@ _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", 
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "paged_attention_spans.h",
             _DIR / "int8_rows.h", _DIR / "prefill_attention.h", _DIR / "gemm_bf16.h",
             _DIR / "bf16_row_ops.h", _DIR / "gemm_amx.h", _DIR / "amx.h", _DIR / "int8_amx.h",
-            _DIR / "prefill_attention_amx.h"]
+            _DIR / "prefill_attention_amx.h", _DIR / "team_balance.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}

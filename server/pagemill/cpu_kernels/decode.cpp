@@ -40,6 +40,7 @@
 #include "bf16_rows.h"
 #include "int8_rows.h"
 #include "paged_attention.h"
+#include "team_balance.h"
 #include "vec.h"
 
 namespace {
@@ -115,37 +116,45 @@ inline void weight_dot(const pagemill::Bf16Rows& x, const bf16* w, int64_t K, fl
 }
 
 // y[m * N + n] (+)= x[m] . w[n] + bias[n] for m < M; the calling thread's share
-// of n (an orphaned `omp for`: call it inside a parallel region).
+// of n (balance's, else an even one; call it inside a parallel region), then the
+// barrier that ends the linear.
 template <int M, typename T>
-void linear_share(const Rows& x, const T* w, const T* bias, float* y, int64_t N, int64_t K, bool add) {
-  const auto xr = [&] {
-    if constexpr (std::is_same_v<T, float>)
-      return x;
-    else
-      return pagemill::prepare(x.x, M, K, x.mul, x.scratch);
-  }();
-#pragma omp for schedule(static)
-  for (int64_t n = 0; n < N; ++n) {
-    float r[M];
-    weight_dot<M>(xr, w + n * K, K, r);
-    const float b = bias ? to_float(bias[n]) : 0.f;
-    for (int m = 0; m < M; ++m) y[m * N + n] = (add ? y[m * N + n] : 0.f) + (r[m] + b);
+void linear_share(const Rows& x, const T* w, const T* bias, float* y, int64_t N, int64_t K, bool add,
+                  pagemill::balance::TeamBalance* balance) {
+  const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+  {
+    const pagemill::balance::Busy busy(balance, t, nt);
+    const auto xr = [&] {
+      if constexpr (std::is_same_v<T, float>)
+        return x;
+      else
+        return pagemill::prepare(x.x, M, K, x.mul, x.scratch);
+    }();
+    const int64_t n1 = pagemill::balance::bound(balance, N, t + 1, nt);
+    for (int64_t n = pagemill::balance::bound(balance, N, t, nt); n < n1; ++n) {
+      float r[M];
+      weight_dot<M>(xr, w + n * K, K, r);
+      const float b = bias ? to_float(bias[n]) : 0.f;
+      for (int m = 0; m < M; ++m) y[m * N + n] = (add ? y[m * N + n] : 0.f) + (r[m] + b);
+    }
   }
+#pragma omp barrier
 }
 
 constexpr int kMaxLayerRows = 8;
 
 template <typename T>
-void linear(int64_t M, const Rows& x, const T* w, const T* bias, float* y, int64_t N, int64_t K, bool add) {
+void linear(int64_t M, const Rows& x, const T* w, const T* bias, float* y, int64_t N, int64_t K, bool add,
+            pagemill::balance::TeamBalance* bal) {
   switch (M) {
-    case 1: linear_share<1>(x, w, bias, y, N, K, add); break;
-    case 2: linear_share<2>(x, w, bias, y, N, K, add); break;
-    case 3: linear_share<3>(x, w, bias, y, N, K, add); break;
-    case 4: linear_share<4>(x, w, bias, y, N, K, add); break;
-    case 5: linear_share<5>(x, w, bias, y, N, K, add); break;
-    case 6: linear_share<6>(x, w, bias, y, N, K, add); break;
-    case 7: linear_share<7>(x, w, bias, y, N, K, add); break;
-    case 8: linear_share<8>(x, w, bias, y, N, K, add); break;
+    case 1: linear_share<1>(x, w, bias, y, N, K, add, bal); break;
+    case 2: linear_share<2>(x, w, bias, y, N, K, add, bal); break;
+    case 3: linear_share<3>(x, w, bias, y, N, K, add, bal); break;
+    case 4: linear_share<4>(x, w, bias, y, N, K, add, bal); break;
+    case 5: linear_share<5>(x, w, bias, y, N, K, add, bal); break;
+    case 6: linear_share<6>(x, w, bias, y, N, K, add, bal); break;
+    case 7: linear_share<7>(x, w, bias, y, N, K, add, bal); break;
+    case 8: linear_share<8>(x, w, bias, y, N, K, add, bal); break;
   }
 }
 
@@ -162,20 +171,21 @@ struct DenseLinears {
   const int64_t* ptrs;
   Bf16Mul mul;
   // One thread's view inside the layer's parallel region: y (+)= in W^T + b
-  // for its share of the outputs, ending on the `omp for`'s barrier.
+  // for its share of the outputs (balance's), ending on a barrier.
   struct Thread {
     const DenseLinears& d;
     void* prep;
+    pagemill::balance::TeamBalance* balance;
     void operator()(Lin l, int64_t B, const float* in, float* y, int64_t N, int64_t K, bool add) const {
       static constexpr Ptr w[] = {kQkvW, kOW, kGateUpW, kDownW}, b[] = {kQkvB, kNumPtrs, kGateUpB, kDownB};
       const T* bias = b[l] == kNumPtrs ? nullptr : reinterpret_cast<const T*>(d.ptrs[b[l]]);
-      linear(B, Rows{in, prep, d.mul}, reinterpret_cast<const T*>(d.ptrs[w[l]]), bias, y, N, K, add);
+      linear(B, Rows{in, prep, d.mul}, reinterpret_cast<const T*>(d.ptrs[w[l]]), bias, y, N, K, add, balance);
     }
   };
-  Thread thread(int64_t B, int64_t widest) const {
+  Thread thread(int64_t B, int64_t widest, pagemill::balance::TeamBalance* balance) const {
     static thread_local std::vector<float> prep;  // this thread's bf16_rows.h copy of a linear's input
     if (!std::is_same_v<T, float>) prep.resize(pagemill::prepared_bytes(B, widest) / sizeof(float));
-    return Thread{*this, prep.data()};
+    return Thread{*this, prep.data(), balance};
   }
 };
 
@@ -192,23 +202,24 @@ struct Int8Linears {
     uint8_t* xu;
     float* x_scale;
     float* tmp;
+    pagemill::balance::TeamBalance* balance;
     void operator()(Lin l, int64_t B, const float* in, float* y, int64_t N, int64_t K, bool add) const {
       const int64_t* e = d.ptrs + kInt8Norms + kInt8Entry * l;
       const int64_t Kp = (K + 3) / 4 * 4;
       for (int64_t m = 0; m < B; ++m)
         x_scale[m] = pagemill::int8::quantize_row(in + m * K, false, K, Kp, e[4], xu + m * Kp, tmp);
       pagemill::int8::Args a{xu, x_scale, (const int8_t*)e[0], (const float*)e[1], (const int32_t*)e[2],
-                             (const float*)e[3], y, false, B, N, Kp, add};
+                             (const float*)e[3], y, false, B, N, Kp, add, balance};
       pagemill::int8::share(a, omp_get_thread_num(), omp_get_num_threads());
 #pragma omp barrier
     }
   };
-  Thread thread(int64_t B, int64_t widest) const {
+  Thread thread(int64_t B, int64_t widest, pagemill::balance::TeamBalance* balance) const {
     static thread_local std::vector<uint8_t> xu;
     static thread_local std::vector<float> f;
     xu.resize(B * ((widest + 3) / 4 * 4));
     f.resize(kMaxLayerRows + widest);
-    return Thread{*this, xu.data(), f.data(), f.data() + kMaxLayerRows};
+    return Thread{*this, xu.data(), f.data(), f.data() + kMaxLayerRows, balance};
   }
 };
 
@@ -257,12 +268,14 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
   // one more after the KV write and one after a merge): each thread normalises x
   // into its own buffer instead of one thread doing it behind a barrier, and
   // rotary + KV write run per kv head (with attention where not by spans).
+  // The linears' shares of the team, adapted layer by layer (team_balance.h says why).
+  pagemill::balance::TeamBalance* const balance = pagemill::balance::begin_team(threads);
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> own;  // this thread's normalised x [B, H]
     own.resize(B * H);
     float* xn = own.data();
-    const auto linear = lin.thread(B, widest);
+    const auto linear = lin.thread(B, widest, balance);
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, in_norm, eps, H, xn + b * H);
     linear(kQkv, B, xn, qkv, nqkv, H, false);
 #pragma omp for collapse(2) schedule(static)
@@ -300,6 +313,7 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
     }
     linear(kDown, B, act, x, H, I, true);  // residual add
   }
+  pagemill::balance::end_team(balance);
   return 0;
 }
 

@@ -43,9 +43,10 @@ enum Dim { kHidden, kHeads, kKvHeads, kHeadDim, kInter, kBlockSize, kNumDims };
 // y[B, N] = x[B, K] W^T + b: this thread's share of the blocks, then the barrier that ends it.
 // swiglu: w is the interleaved gate_up (gemm_bf16.h), y [B, N/2] = silu(gate) * up.
 inline void linear(const bf16* x, int64_t w, int64_t bias, bf16* y, int64_t B, int64_t N, int64_t K,
-                   bool swiglu = false) {
+                   pagemill::balance::TeamBalance* balance, bool swiglu = false) {
   pagemill::gemm::Args a{x, K, (const bf16*)w, (const bf16*)bias, y, swiglu ? N / 2 : N, B, N, K};
   a.swiglu = swiglu;
+  a.balance = balance;
   pagemill::gemm::share(a, omp_get_thread_num(), omp_get_num_threads());
 #pragma omp barrier
 }
@@ -84,6 +85,8 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
   bf16 *h = buf.data(), *qkv = h + B * H, *qk = qkv + B * nqkv, *attn = qk + B * nqk, *o = attn + B * nq;
   bf16* act = o + B * H;
   const bf16 *in_norm = (const bf16*)ptrs[kInNorm], *post_norm = (const bf16*)ptrs[kPostNorm];
+  // The linears' shares of the team, adapted layer by layer (team_balance.h says why).
+  pagemill::balance::TeamBalance* const balance = pagemill::balance::begin_team(threads);
 
   // The layer's stages before and after attention; each thread runs them inside a region.
   const auto before = [&] {
@@ -96,7 +99,7 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
         pagemill::rows::add_norm_row(x + b * H, residual + b * H, in_norm, eps, H, residual + b * H, h + b * H);
       }
     }
-    linear(h, ptrs[kQkvW], ptrs[kQkvB], qkv, B, nqkv, H);
+    linear(h, ptrs[kQkvW], ptrs[kQkvB], qkv, B, nqkv, H, balance);
     // q and k rotated into qk [B, nh + nkv, D]; k and v (unrotated) into their slots.
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b) {
@@ -107,12 +110,12 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
     }
   };
   const auto after = [&] {
-    linear(attn, ptrs[kOW], 0, o, B, H, nq);
+    linear(attn, ptrs[kOW], 0, o, B, H, nq, balance);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < B; ++b)
       pagemill::rows::add_norm_row(o + b * H, residual + b * H, post_norm, eps, H, residual + b * H, h + b * H);
-    linear(h, ptrs[kGateUpW], ptrs[kGateUpB], act, B, 2 * I, H, true);  // silu(gate) * up
-    linear(act, ptrs[kDownW], ptrs[kDownB], x, B, H, I);
+    linear(h, ptrs[kGateUpW], ptrs[kGateUpB], act, B, 2 * I, H, balance, true);  // silu(gate) * up
+    linear(act, ptrs[kDownW], ptrs[kDownB], x, B, H, I, balance);
   };
 #if defined(__AVX512F__)
   if (pagemill::spans_apply<bf16>(D, nh / nkv)) {
@@ -131,6 +134,7 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
                                        scale, window, plan, parts_data);
       after();
     }
+    pagemill::balance::end_team(balance);
     return 0;
   }
 #endif
@@ -141,6 +145,7 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
     return 1;
 #pragma omp parallel num_threads(threads)
   after();
+  pagemill::balance::end_team(balance);
   return 0;
 }
 }

@@ -69,14 +69,15 @@ void amx_tile(const Args& a, int64_t m0, int rows0, int rows1, int64_t b0, float
 constexpr int64_t kAmxMinRows = 4;
 inline bool amx_takes(const Args& a) { return a.K % 32 == 0 && a.M >= kAmxMinRows && amx::permitted(); }
 
-// share()'s walk on tiles: thread t of nt takes the same balanced range of blocks.
+// share()'s walk on tiles: thread t of nt takes its range of blocks (a.balance's shares).
 inline void share_amx(const Args& a, int t, int nt) {
   const int64_t blocks = (a.N + kBlock - 1) / kBlock, block_bytes = a.K * kBlock * (int64_t)sizeof(bf16);
   const int64_t unit = a.swiglu ? 2 : 1, units = blocks / unit;  // swiglu: whole (gate, up) pairs
   alignas(64) float sums[2][32 * 32];  // this tile's and the pending one's
   Pending pending;
   int flip = 0;
-  amx::walk(a.w, units * t / nt * unit, units * (t + 1) / nt * unit, a.M, kChunkRows, block_bytes,
+  amx::walk(a.w, balance::bound(a.balance, units, t, nt) * unit, balance::bound(a.balance, units, t + 1, nt) * unit,
+            a.M, kChunkRows, block_bytes,
             [&](int64_t m, int r0, int r1, int64_t b, bool two, amx::Ahead ahead) {
               float* s = sums[flip ^= 1];
               if (r1 && two) amx_tile<true, 2>(a, m, r0, r1, b, s, ahead, pending);

@@ -38,6 +38,7 @@
 #include <string.h>
 
 #include "bf16_row_ops.h"  // silu16, round16: the SwiGLU epilogue
+#include "team_balance.h"
 #include "vec.h"
 
 #if defined(__AVX512F__)
@@ -68,6 +69,7 @@ struct Args {
   int64_t ldy;
   int64_t M, N, K;
   bool swiglu = false;  // w (and bias) interleaved gate/up blocks, y = silu(gate) * up; N % 32 == 0
+  balance::TeamBalance* balance = nullptr;  // the threads' shares of the blocks (null: even)
 };
 
 // Weight lines of the next group of blocks a tile asks for into L2 while it
@@ -210,11 +212,13 @@ constexpr int64_t kMinAheadTiles = 3;
 constexpr int64_t kMaxAheadBytes = 128 << 10;
 
 inline void share(const Args& a, int t, int nt) {
+  const balance::Busy busy(a.balance, t, nt);
   if (amx_takes(a)) return share_amx(a, t, nt);
   const int64_t blocks = (a.N + kBlock - 1) / kBlock, block_bytes = a.K * kBlock * (int64_t)sizeof(bf16);
   // Under swiglu a thread's range holds whole (gate, up) pairs, so every tile does.
   const int64_t unit = a.swiglu ? 2 : 1, units = blocks / unit;
-  const int64_t first = units * t / nt * unit, last = units * (t + 1) / nt * unit;
+  const int64_t first = balance::bound(a.balance, units, t, nt) * unit;
+  const int64_t last = balance::bound(a.balance, units, t + 1, nt) * unit;
   for (int64_t c = 0; c < a.M; c += kChunkRows) {
     const int64_t rows_end = a.M - c < kChunkRows ? a.M : c + kChunkRows;
     const int64_t tiles = (rows_end - c + kTileRows - 1) / kTileRows;

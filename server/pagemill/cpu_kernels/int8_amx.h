@@ -53,7 +53,8 @@ constexpr int64_t kAmxChunkRows = 256;
 inline void share_amx(const Args& a, int t, int nt) {
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
   alignas(64) int32_t sums[32 * 32];
-  amx::walk(a.wq, blocks * t / nt, blocks * (t + 1) / nt, a.M, kAmxChunkRows, a.Kp * kBlock,
+  amx::walk(a.wq, balance::bound(a.balance, blocks, t, nt), balance::bound(a.balance, blocks, t + 1, nt), a.M,
+            kAmxChunkRows, a.Kp * kBlock,
             [&](int64_t m, int r0, int r1, int64_t b, bool two, amx::Ahead ahead) {
               if (r1 && two) amx_tile<true, 2>(a, m, r0, r1, b, sums, ahead);
               else if (r1) amx_tile<true, 1>(a, m, r0, r1, b, sums, ahead);

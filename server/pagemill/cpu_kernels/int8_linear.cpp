@@ -8,14 +8,18 @@
 #include <vector>
 
 #include "int8_rows.h"
+#include "team_balance.h"
 
 namespace {
 
 using namespace pagemill::int8;
 
-void run(const Args& a, int threads) {
+void run(Args a, int threads) {
+  // The team's shares, adapted call by call (team_balance.h says why).
+  a.balance = pagemill::balance::begin_team(threads);
 #pragma omp parallel num_threads(threads)
   share(a, omp_get_thread_num(), omp_get_num_threads());
+  pagemill::balance::end_team(a.balance);
 }
 
 }  // namespace

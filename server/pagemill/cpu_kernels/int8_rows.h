@@ -41,6 +41,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "team_balance.h"
 #include "vec.h"
 
 #if defined(__AVX512F__)
@@ -193,6 +194,7 @@ struct Args {
   bool bf16;
   int64_t M, N, Kp;
   bool add = false;  // float32 y only: y += the product (the fused layer's residual adds)
+  balance::TeamBalance* balance = nullptr;  // the threads' shares of the blocks (null: even)
 };
 
 // y[m, n] = (acc - corr[n]) * (x_scale[m] * w_scale[n]) + bias[n], written
@@ -313,14 +315,15 @@ inline void tile_any(const Args& a, int64_t m0, int mr, int64_t b0, int nb) {
 
 namespace pagemill::int8 {
 
-// One thread's share of y = x wq^T: thread t of nt takes a contiguous,
-// balanced range of blocks (not whole tiles: 9 tiles of 4 blocks over 2
-// threads would leave one idle 1/9 of the time) and walks all rows for each,
-// so the weights are read from memory once whatever the row count.
+// One thread's share of y = x wq^T: thread t of nt takes a contiguous range
+// of blocks (a.balance's share, else an even one; not whole tiles: 9 tiles of
+// 4 blocks over 2 threads would leave one idle 1/9 of the time) and walks all
+// rows for each, so the weights are read from memory once whatever the row count.
 inline void share(const Args& a, int t, int nt) {
+  const balance::Busy busy(a.balance, t, nt);
   if (amx_takes(a)) return share_amx(a, t, nt);
   const int64_t blocks = (a.N + kBlock - 1) / kBlock;
-  const int64_t first = blocks * t / nt, last = blocks * (t + 1) / nt;
+  const int64_t first = balance::bound(a.balance, blocks, t, nt), last = balance::bound(a.balance, blocks, t + 1, nt);
   for (int64_t b = first; b < last; b += kTileBlocks) {
     const int nb = (int)(last - b < kTileBlocks ? last - b : kTileBlocks);
     for (int64_t m = 0; m < a.M; m += kTileRows) {
