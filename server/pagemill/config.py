@@ -46,7 +46,7 @@ class ShardConfig:
                         help="auto: bfloat16 on a CPU with AVX512-BF16 or AMX-BF16 (or a GPU with bf16), else "
                              "float32 (models/auto_dtype.py)")
     device: str = option("cpu", help="cpu or cuda")
-    # shard/kv_pool.py's default_block_size says why the CPU takes larger blocks.
+    # shard/kv_pool.py's resolve_block_size: why the CPU takes larger blocks.
     block_size: int = option(0, help="tokens per KV block; 0 (auto): 64 on CPU, 16 on CUDA")
     # On CUDA the pool is sized from free memory times gpu_memory_utilization instead.
     kv_cache_memory: int = option(1 << 30, parse=parse_bytes,

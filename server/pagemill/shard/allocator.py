@@ -3,9 +3,9 @@
 Why: a step allocates its activations afresh (a 2048-token prefill's linears write
 several MB each). glibc serves blocks that large with mmap, or trims them off its heap
 when freed, so every step touched new pages: measured on a 2044-token prefill step of
-the default model (perf, 2 threads), ~11% of the step was the kernel zeroing and mapping
-pages under the GEMM's first stores, and the step took 384-428 ms against 335 ms with
-the thresholds below. Blocks above MMAP_THRESHOLD (the KV pool, the weights) are still
+the default model (perf, 2 threads), 46,000 page faults, ~11% of the step the kernel
+zeroing and mapping pages under the GEMM's first stores; the step took 369-428 ms against
+335-346 ms with the thresholds below (docs/cpu.md, "Freed step memory kept"). Blocks above MMAP_THRESHOLD (the KV pool, the weights) are still
 mapped on their own, so only a step's transient memory stays with the process.
 """
 
