@@ -3,8 +3,8 @@
     OMP_NUM_THREADS=1 python benchmarks/decode_attention.py --baseline /tmp/base.so \
         --json benchmarks/results/decode_attention.json
 
-The default model's shape (9 query heads, 3 kv heads, head_dim 64, block size
-16), bf16 queries over a bf16 pool (and --dtypes float32,fp8_e4m3,int8), for
+The default model's shape (9 query heads, 3 kv heads, head_dim 64, --block-size
+64 as the shard's CPU default), bf16 queries over a bf16 pool (and --dtypes float32,fp8_e4m3,int8), for
 the batches that matter: 64 x 192 tokens (the c=64 benchmark), 24 x 512 and
 batch 1 x 200. The pool is --pool-mib per cache, in 2 MiB pages as the shard
 holds it (models/huge_pages.py; --no-huge-pages: 4 KiB), its blocks drawn
@@ -36,12 +36,12 @@ from pagemill.attention.kv_dtype import quantize, quantize_int8
 from pagemill.cpu_kernels import DecodeKernels, decode_kernels
 from pagemill.models.huge_pages import huge_zeros
 
-HEADS, KV_HEADS, D, BS = 9, 3, 64, 16
+HEADS, KV_HEADS, D = 9, 3, 64
 
 
-def pool(dtype: str, num_blocks: int, seed: int, huge: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def pool(dtype: str, num_blocks: int, bs: int, seed: int, huge: bool) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    k, v = (torch.randn(num_blocks, BS, KV_HEADS, D, generator=g) for _ in range(2))
+    k, v = (torch.randn(num_blocks, bs, KV_HEADS, D, generator=g) for _ in range(2))
     if dtype == "int8":
         k, v = quantize_int8(k), quantize_int8(v)
     elif dtype.startswith("fp8"):
@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--dtypes", default="bfloat16", help="cache dtypes: bfloat16,float32,fp8_e4m3,int8")
     ap.add_argument("--baseline", default=None,
                     help="other builds of the kernel library (.so, comma separated) to run beside")
+    ap.add_argument("--block-size", type=int, default=64, help="tokens per KV block (the shard's CPU default: 64)")
     ap.add_argument("--pool-mib", type=int, default=128)
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--threads", type=int, default=1, help="kernel threads")
@@ -107,11 +108,11 @@ def main() -> None:
         qdtype = torch.float32 if dtype == "float32" else torch.bfloat16
         row_bytes = D * (1 if dtype in ("int8", "fp8_e4m3") else torch.finfo(getattr(torch, dtype)).bits // 8)
         row_bytes += 4 if dtype == "int8" else 0
-        num_blocks = args.pool_mib * 2**20 // (BS * KV_HEADS * row_bytes)
-        k, v = pool(dtype, num_blocks, 0, not args.no_huge_pages)
+        num_blocks = args.pool_mib * 2**20 // (args.block_size * KV_HEADS * row_bytes)
+        k, v = pool(dtype, num_blocks, args.block_size, 0, not args.no_huge_pages)
         for case in args.cases.split(","):
             batch, ctx = map(int, case.split("x"))
-            width = -(-ctx // BS)
+            width = -(-ctx // args.block_size)
             q = torch.randn(batch, HEADS, D).to(qdtype)
             lens = torch.full((batch,), ctx, dtype=torch.int32)
             times: dict[str, list[float]] = {name: [] for name in [*kernels, "gather"]}
@@ -140,7 +141,7 @@ def main() -> None:
             rows.append(row)
     names = [*kernels, "gather"]
     print(f"streaming read (1 GiB float32 sum, 1 thread): {gbs:.1f} GB/s; {args.threads} kernel thread(s), "
-          f"{args.layout} blocks, {'4 KiB' if args.no_huge_pages else '2 MiB'} pages, {'wall' if wall else 'CPU'} time")
+          f"{args.layout} blocks of {args.block_size}, {'4 KiB' if args.no_huge_pages else '2 MiB'} pages, {'wall' if wall else 'CPU'} time")
     print("| cache | batch x context | KV MB | " + " | ".join(f"{n} ms | {n} GB/s" for n in names)
           + (" | speedup |" if args.baseline else " |"))  # fmt: skip
     print("|---|---|---:|" + "---:|---:|" * len(names) + ("---:|" if args.baseline else ""))
