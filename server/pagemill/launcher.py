@@ -23,6 +23,7 @@ from pagemill.config import check_quantize
 from pagemill.models.impl import choose_impl
 from pagemill.models.auto_dtype import resolve_dtype
 from pagemill.options import ROUTER_OPTIONS, dataclass_argv, flag_value, router_argv, router_env
+from pagemill.shard.placement import allowed_cores, explicit_cores, launch_slices
 
 _PR_SET_PDEATHSIG = 1
 
@@ -101,6 +102,18 @@ def _threads_per_shard(a: argparse.Namespace) -> int:
     return max(1, (os.cpu_count() or 1) // processes)
 
 
+def _cpu_binds(a: argparse.Namespace, threads: int) -> list[str]:
+    """Each shard process's --cpu-bind: several CPU shards on this host get disjoint cores
+    (shard/placement.py), each `threads` of them."""
+    processes = a.num_shard * a.data_parallel
+    allowed = allowed_cores()
+    if a.device != "cpu" or allowed is None:
+        return [a.cpu_bind] * processes
+    if a.cpu_bind not in ("auto", "none"):
+        explicit_cores(a.cpu_bind, allowed)  # a bad list fails now, not in every shard after it starts
+    return launch_slices(a.cpu_bind, allowed, processes, threads)
+
+
 def _router_healthy(host: str, port: int) -> bool:
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=2) as r:
@@ -165,6 +178,7 @@ class Launcher:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         router_flags, router_vars = self._router_args(model_dir, groups)
         threads = _threads_per_shard(a)
+        binds = _cpu_binds(a, threads)
         draft = str(resolve_model(a.draft_model, cache_dir=cache_dir)) if a.draft_model else None  # a .gguf too
 
         for g, group in enumerate(groups):
@@ -177,7 +191,7 @@ class Launcher:
                                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
                 cfg = replace(shard_config(a, model_dir, sock, rank, a.num_shard), master_addr="127.0.0.1",
                               master_port=port, local_rank=rank, dtype=dtype, num_threads=threads,
-                              draft_model=draft)
+                              draft_model=draft, cpu_bind=binds[g * a.num_shard + rank])
                 argv = [sys.executable, "-m", "pagemill", "shard", *dataclass_argv(cfg)]
                 name = f"shard {rank}" if a.data_parallel == 1 else f"shard {g}.{rank}"
                 self.shard_argv[name] = (argv, shard_env, g)

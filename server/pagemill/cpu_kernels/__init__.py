@@ -46,7 +46,8 @@ log = logging.getLogger(__name__)
 _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
             _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp", _DIR / "prefill_attention.cpp",
-            _DIR / "gemm_bf16.cpp", _DIR / "kv_write.cpp", _DIR / "decode_batched.cpp"]
+            _DIR / "gemm_bf16.cpp", _DIR / "kv_write.cpp", _DIR / "decode_batched.cpp",
+            _DIR / "threads.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "paged_attention_spans.h",
             _DIR / "int8_rows.h", _DIR / "prefill_attention.h", _DIR / "gemm_bf16.h",
             _DIR / "bf16_row_ops.h", _DIR / "gemm_amx.h", _DIR / "amx.h", _DIR / "int8_amx.h",

@@ -17,6 +17,7 @@ from pagemill.parallel.group import ParallelConfig, ParallelGroup, rank_device
 from pagemill.shard.allocator import keep_freed_memory
 from pagemill.shard.auth import TokenAuth, read_token
 from pagemill.shard.engine import ModelRunner
+from pagemill.shard.placement import Placement, allowed_cores, pin_team, pin_this_thread, plan_placement
 from pagemill.shard.service import ShardService, new_model_thread
 
 log = logging.getLogger("pagemill.shard")
@@ -49,9 +50,10 @@ def serve(config: ShardConfig) -> None:
     # Every model call on one thread that also loads the model (service.new_model_thread says
     # why), the event loop on this one: not inline (ShardService), so that Health answers while
     # a long step runs, which is how the router tells a slow step from a hung shard (recover.rs).
+    placement = _placement(config)  # before this thread starts any other (they inherit its core)
     model_thread = new_model_thread()
     try:
-        runner = model_thread.submit(_load, config, group).result()
+        runner = model_thread.submit(_load, config, group, placement).result()
         asyncio.run(serve_runner(runner, config.uds_path, model_thread=model_thread, listen=config.listen,
                                  token=token))
     finally:
@@ -59,11 +61,39 @@ def serve(config: ShardConfig) -> None:
         model_thread.shutdown()
 
 
-def _load(config: ShardConfig, group: ParallelGroup) -> ModelRunner:
+def _load(config: ShardConfig, group: ParallelGroup, placement: Placement | None) -> ModelRunner:
     """Runs on the model thread (service.new_model_thread says why)."""
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
+    if placement is not None:  # the team, before its first parallel region anywhere else
+        from pagemill.cpu_kernels import _library
+
+        if pin_team(_library(), placement.cores):
+            log.info("OpenMP threads pinned to cores %s (--cpu-bind %s)", placement.cores, config.cpu_bind)
+        else:
+            log.warning("could not pin every OpenMP thread to cores %s", placement.cores)
     return ModelRunner.from_shard_config(config, group)
+
+
+def _placement(config: ShardConfig) -> Placement | None:
+    """shard/placement.py's plan for this shard, with this thread already pinned; None: nothing
+    pinned (not a CPU shard with compiled kernels, or the plan says why not)."""
+    if config.device.split(":")[0] != "cpu":
+        return None
+    allowed = allowed_cores()
+    threads = config.num_threads if config.num_threads > 0 else torch.get_num_threads()
+    plan, why = (None, "the OS gives no affinity") if allowed is None else \
+        plan_placement(config.cpu_bind, allowed, threads, config.local_rank or 0)  # fmt: skip
+    if plan is not None:
+        from pagemill.cpu_kernels import _library
+
+        if not config.cpu_kernels or _library() is None:  # built now, on this thread
+            plan, why = None, "no compiled CPU kernels to pin the team with"
+    if plan is None:
+        log.info("threads not pinned to cores: %s", why)
+        return None
+    pin_this_thread(plan.cores[0])
+    return plan
 
 
 async def serve_runner(runner: ModelRunner, uds_path: str, stop: asyncio.Event | None = None,
