@@ -6,9 +6,9 @@ Why (measured, docs/cpu.md "Threads pinned to cores"): unpinned, the
 event loop and gRPC threads ran on whichever core was free and so preempted
 the OpenMP worker as often as the model thread; a preempted thread stalls
 the other at the next barrier (a 64-sequence step has ~270). Pinned so,
-64 concurrent requests went 1.2% faster (8 of 8 paired bursts) and batch-1
-decode 14.3 -> 13.9 ms a token. The router and the load generator are other
-processes and stay where the OS puts them.
+64 concurrent requests went 3.6% faster (8 of 8 paired bursts) and batch-1
+decode 14.74 -> 14.05 ms a token. The router and the load generator are
+other processes and stay where the OS puts them.
 
 Order matters, and serve() keeps it: the process's main thread is pinned
 before it starts any other thread (they inherit its core), then the model
@@ -20,11 +20,8 @@ thread's one core.
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
-
-log = logging.getLogger("pagemill.shard")
 
 
 def parse_cpu_list(spec: str) -> list[int]:
