@@ -57,7 +57,9 @@ def test_by_default_only_steps_of_16_sequences_go_ahead(tiny_model_dir):
         with cf.ThreadPoolExecutor(3) as pool:  # three at a time: never ahead
             small = list(pool.map(lambda i: greedy(s.url, i, 24), range(3)))
         assert s.metric("pagemill_steps_ahead_total") == 0
-        body = {"parameters": {"max_new_tokens": 48, "ignore_eos_token": True}}
+        # Long enough that all twenty decode together for hundreds of steps whenever they arrive
+        # (at 48 tokens the tiny model finished the first before the last had arrived, now and then).
+        body = {"parameters": {"max_new_tokens": 400, "ignore_eos_token": True}}
         with cf.ThreadPoolExecutor(20) as pool:  # twenty: the steps of 16+ go ahead
             codes = list(pool.map(lambda i: httpx.post(f"{s.url}/generate", json={"inputs": prompt(i), **body},
                                                        timeout=300).status_code, range(20)))
