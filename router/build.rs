@@ -13,9 +13,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let protoc = protoc_bin_vendored::protoc_bin_path()?;
     std::env::set_var("PROTOC", &protoc);
-    tonic_prost_build::configure()
-        .build_server(false)
-        .compile_protos(&[&proto], &[&proto_dir])?;
+    tonic_prost_build::configure().build_server(false).compile_protos(&[&proto], &[&proto_dir])?;
 
     // Python messages (the shard registers its handlers by hand, so no grpc
     // plugin is needed). Skipped when the server tree is absent (crate-only builds).

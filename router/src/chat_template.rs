@@ -70,10 +70,8 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         extra: serde_json::Map<String, Json>,
     ) -> Result<String, RouterError> {
-        let template = self
-            .env
-            .get_template(NAME)
-            .map_err(|e| RouterError::Validation(format!("chat template: {e}")))?;
+        let template =
+            self.env.get_template(NAME).map_err(|e| RouterError::Validation(format!("chat template: {e}")))?;
         let mut ctx = extra;
         ctx.insert("messages".into(), Json::Array(messages.to_vec()));
         ctx.insert("add_generation_prompt".into(), Json::Bool(add_generation_prompt));
@@ -96,10 +94,7 @@ fn template_from_config(config: &Json) -> Option<String> {
                     .find(|t| t.get("name").and_then(Json::as_str) == Some(n))
                     .and_then(|t| t.get("template")?.as_str().map(str::to_string))
             };
-            named("default").or_else(|| {
-                list.first()
-                    .and_then(|t| t.get("template")?.as_str().map(str::to_string))
-            })
+            named("default").or_else(|| list.first().and_then(|t| t.get("template")?.as_str().map(str::to_string)))
         }
         _ => None,
     }
@@ -129,14 +124,22 @@ fn raise_exception(msg: String) -> Result<Value, Error> {
 
 /// `strftime_now(fmt)` (Llama 3 templates put today's date in the system prompt).
 fn strftime_now(fmt: String) -> String {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     strftime(secs, &fmt)
 }
 
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
     "December",
 ];
 
@@ -189,8 +192,8 @@ fn tojson(value: Value, kwargs: Kwargs) -> Result<Value, Error> {
     let indent: Option<usize> = kwargs.get("indent")?;
     let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&value)
-        .map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
+    let json =
+        serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::InvalidOperation, format!("tojson: {e}")))?;
     let mut out = String::new();
     write_py_json(&json, indent, sort_keys.unwrap_or(false), 0, &mut out);
     Ok(Value::from_safe_string(out))
@@ -306,7 +309,8 @@ mod tests {
     #[test]
     fn config_template_forms() {
         assert_eq!(template_from_config(&json!({"chat_template": "x"})).as_deref(), Some("x"));
-        let list = json!({"chat_template": [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]});
+        let list =
+            json!({"chat_template": [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]});
         assert_eq!(template_from_config(&list).as_deref(), Some("d"));
         assert_eq!(special_token(&json!({"bos_token": {"content": "<b>"}}), "bos_token"), "<b>");
     }

@@ -228,7 +228,9 @@ impl RouterConfig {
             return Err("prefill_chunk_tokens must be positive (leave it unset to disable chunked prefill)".into());
         }
         if self.max_num_batched_tokens == Some(0) {
-            return Err("max_num_batched_tokens must be positive (leave it unset for separate prefill and decode steps)".into());
+            return Err(
+                "max_num_batched_tokens must be positive (leave it unset for separate prefill and decode steps)".into(),
+            );
         }
         if self.max_best_of == 0 {
             return Err("max_best_of must be positive".into());
@@ -285,7 +287,9 @@ pub fn option_table() -> Vec<OptionInfo> {
             choices: match a.get_action() {
                 ArgAction::SetTrue | ArgAction::SetFalse => vec![], // clap's "true"/"false" are not typed by users
                 // Aliases too: `--reasoning-parser qwen3` is as valid as `think`.
-                _ => a.get_possible_values().iter().flat_map(|p| p.get_name_and_aliases().map(str::to_string)).collect(),
+                _ => {
+                    a.get_possible_values().iter().flat_map(|p| p.get_name_and_aliases().map(str::to_string)).collect()
+                }
             },
             env: a.get_env().map(|e| e.to_string_lossy().into_owned()),
             launcher_sets: a.get_help_heading() == Some(LAUNCHER_SETS),
@@ -336,7 +340,10 @@ mod tests {
         let c = RouterConfig::default();
         assert_eq!((c.hostname.as_str(), c.port), ("127.0.0.1", 3000));
         assert_eq!((c.max_input_tokens, c.max_total_tokens, c.max_batch_prefill_tokens), (1024, 2048, 4096));
-        assert_eq!((c.prefill_chunk_tokens, c.max_num_batched_tokens, c.max_batch_total_tokens), (None, Some(2048), None));
+        assert_eq!(
+            (c.prefill_chunk_tokens, c.max_num_batched_tokens, c.max_batch_total_tokens),
+            (None, Some(2048), None)
+        );
         assert_eq!((c.max_batch_size, c.max_concurrent_requests, c.max_stop_sequences), (256, 128, 16));
         assert_eq!((c.max_top_n_tokens, c.default_max_new_tokens, c.max_best_of), (5, 100, 4));
         assert_eq!((c.payload_limit, c.validation_workers), (2_000_000, 2));
@@ -349,10 +356,31 @@ mod tests {
     #[test]
     fn flags_set_fields() {
         let c = parse(&[
-            "--shard-uds-path", "/s0", "--shard-uds-path", "/s1", "--tokenizer-dir", "/m", "--port", "8080",
-            "--prefill-chunk-tokens", "512", "--max-num-batched-tokens", "0", "--max-batch-total-tokens", "9000",
-            "--payload-limit", "512KiB", "--shutdown-timeout", "5", "--no-prefix-caching",
-            "--cache-aware-admission", "--api-key", "k", "--log-level", "debug", "--schedule-ahead",
+            "--shard-uds-path",
+            "/s0",
+            "--shard-uds-path",
+            "/s1",
+            "--tokenizer-dir",
+            "/m",
+            "--port",
+            "8080",
+            "--prefill-chunk-tokens",
+            "512",
+            "--max-num-batched-tokens",
+            "0",
+            "--max-batch-total-tokens",
+            "9000",
+            "--payload-limit",
+            "512KiB",
+            "--shutdown-timeout",
+            "5",
+            "--no-prefix-caching",
+            "--cache-aware-admission",
+            "--api-key",
+            "k",
+            "--log-level",
+            "debug",
+            "--schedule-ahead",
         ])
         .unwrap();
         assert_eq!(c.shard_uds_paths, [PathBuf::from("/s0"), PathBuf::from("/s1")]);
@@ -367,8 +395,16 @@ mod tests {
         let argv = ["--shard-uds-path", "/s", "--tokenizer-dir", "/m"];
         assert_eq!(parse(&argv).unwrap().check(), Ok(()));
         // Repeated: the last value wins, a list collects, a flag may repeat.
-        let c = parse(&["--port", "1", "--port=2", "--shard-uds-path=/a", "--shard-uds-path=/b", "--no-prefix-caching",
-            "--no-prefix-caching"]).unwrap();
+        let c = parse(&[
+            "--port",
+            "1",
+            "--port=2",
+            "--shard-uds-path=/a",
+            "--shard-uds-path=/b",
+            "--no-prefix-caching",
+            "--no-prefix-caching",
+        ])
+        .unwrap();
         assert_eq!((c.port, c.shard_uds_paths.len(), c.prefix_caching), (2, 2, false));
     }
 
@@ -390,8 +426,17 @@ mod tests {
 
     #[test]
     fn shard_groups_parse_and_tcp_needs_a_token() {
-        let c = parse(&["--tokenizer-dir", "/m", "--shard-group", "/a0,/a1", "--shard-group", "/b0, /b1", "--routing",
-            "least-load"]).unwrap();
+        let c = parse(&[
+            "--tokenizer-dir",
+            "/m",
+            "--shard-group",
+            "/a0,/a1",
+            "--shard-group",
+            "/b0, /b1",
+            "--routing",
+            "least-load",
+        ])
+        .unwrap();
         assert_eq!(c.check(), Ok(()));
         assert_eq!(c.routing, crate::placement::Routing::LeastLoad);
         let groups = c.groups();
@@ -406,7 +451,8 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("pagemill-token-{}", std::process::id()));
         std::fs::write(&dir, "  s3cret \n").unwrap();
         let token = dir.to_str().unwrap();
-        let c = parse(&["--tokenizer-dir", "/m", "--shard-group", "127.0.0.1:7000", "--shard-auth-token-file", token]).unwrap();
+        let c = parse(&["--tokenizer-dir", "/m", "--shard-group", "127.0.0.1:7000", "--shard-auth-token-file", token])
+            .unwrap();
         assert_eq!(c.check(), Ok(()));
         assert!(c.shard_auth().is_ok());
         std::fs::write(&dir, "\n").unwrap();

@@ -16,22 +16,14 @@ impl IncrementalDecoder {
     /// token is decoded as a continuation rather than a start of text.
     pub fn new(context: &[u32]) -> Self {
         let tail = &context[context.len().saturating_sub(5)..];
-        Self {
-            ids: tail.to_vec(),
-            prefix_offset: 0,
-            read_offset: tail.len(),
-        }
+        Self { ids: tail.to_vec(), prefix_offset: 0, read_offset: tail.len() }
     }
 
     /// Appends a token and returns the new complete text, possibly empty.
     pub fn push(&mut self, tokenizer: &Tokenizer, id: u32) -> String {
         self.ids.push(id);
-        let prefix = tokenizer
-            .decode(&self.ids[self.prefix_offset..self.read_offset], false)
-            .unwrap_or_default();
-        let full = tokenizer
-            .decode(&self.ids[self.prefix_offset..], false)
-            .unwrap_or_default();
+        let prefix = tokenizer.decode(&self.ids[self.prefix_offset..self.read_offset], false).unwrap_or_default();
+        let full = tokenizer.decode(&self.ids[self.prefix_offset..], false).unwrap_or_default();
         if full.len() > prefix.len() && !full.ends_with('\u{FFFD}') && full.is_char_boundary(prefix.len()) {
             let text = full[prefix.len()..].to_string();
             self.prefix_offset = self.read_offset;

@@ -69,9 +69,7 @@ impl RouterError {
     /// Status on the TGI routes (and every non-OpenAI route).
     pub fn status(&self) -> StatusCode {
         match self {
-            RouterError::Validation(_) | RouterError::InvalidJson(_) => {
-                StatusCode::UNPROCESSABLE_ENTITY
-            }
+            RouterError::Validation(_) | RouterError::InvalidJson(_) => StatusCode::UNPROCESSABLE_ENTITY,
             RouterError::Overloaded(_) | RouterError::QueueTimeout(_) => StatusCode::TOO_MANY_REQUESTS,
             RouterError::ShuttingDown(_) => StatusCode::SERVICE_UNAVAILABLE,
             RouterError::Generation(_) => StatusCode::FAILED_DEPENDENCY,
@@ -83,10 +81,7 @@ impl RouterError {
     }
 
     pub fn body(&self) -> ErrorBody {
-        ErrorBody {
-            error: self.to_string(),
-            error_type: self.error_type().to_string(),
-        }
+        ErrorBody { error: self.to_string(), error_type: self.error_type().to_string() }
     }
 
     /// The parameter an input error is about: messages name it first, in
@@ -97,8 +92,8 @@ impl RouterError {
         };
         let rest = m.split_once('`')?.1;
         let name = rest.split_once('`')?.0;
-        let is_path = !name.is_empty()
-            && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '[' | ']'));
+        let is_path =
+            !name.is_empty() && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '[' | ']'));
         is_path.then(|| name.to_string())
     }
 
@@ -254,8 +249,14 @@ mod tests {
     #[test]
     fn anthropic_shape() {
         let b = serde_json::to_value(RouterError::Validation("`max_tokens` bad".into()).anthropic_body()).unwrap();
-        assert_eq!(b, serde_json::json!({"type": "error", "error": {"type": "invalid_request_error", "message": "`max_tokens` bad"}}));
+        assert_eq!(
+            b,
+            serde_json::json!({"type": "error", "error": {"type": "invalid_request_error", "message": "`max_tokens` bad"}})
+        );
         let e = RouterError::Unauthorized("no key".into());
-        assert_eq!((e.anthropic_status(), e.anthropic_body().error.kind.as_str()), (StatusCode::UNAUTHORIZED, "authentication_error"));
+        assert_eq!(
+            (e.anthropic_status(), e.anthropic_body().error.kind.as_str()),
+            (StatusCode::UNAUTHORIZED, "authentication_error")
+        );
     }
 }

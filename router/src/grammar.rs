@@ -32,9 +32,15 @@ pub enum ResponseFormat {
         #[serde(default)]
         value: Option<serde_json::Value>,
     },
-    JsonSchema { json_schema: JsonSchemaFormat },
-    Json { value: serde_json::Value },
-    Regex { value: String },
+    JsonSchema {
+        json_schema: JsonSchemaFormat,
+    },
+    Json {
+        value: serde_json::Value,
+    },
+    Regex {
+        value: String,
+    },
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -52,9 +58,9 @@ impl ResponseFormat {
             ResponseFormat::JsonObject { value } => {
                 Some(GrammarParam::Json(value.clone().unwrap_or_else(|| serde_json::json!({}))))
             }
-            ResponseFormat::JsonSchema { json_schema } => Some(GrammarParam::Json(
-                json_schema.schema.clone().unwrap_or(serde_json::Value::Null),
-            )),
+            ResponseFormat::JsonSchema { json_schema } => {
+                Some(GrammarParam::Json(json_schema.schema.clone().unwrap_or(serde_json::Value::Null)))
+            }
             ResponseFormat::Json { value } => Some(GrammarParam::Json(value.clone())),
             ResponseFormat::Regex { value } => Some(GrammarParam::Regex(value.clone())),
         }
@@ -179,16 +185,20 @@ mod tests {
         let text: ResponseFormat = serde_json::from_value(serde_json::json!({"type": "text"})).unwrap();
         assert!(text.to_grammar().is_none());
         let schema: ResponseFormat = serde_json::from_value(serde_json::json!(
-            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}})).unwrap();
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}))
+        .unwrap();
         assert_eq!(validate(&schema.to_grammar().unwrap()).unwrap().value, r#"{"type":"integer"}"#);
         let missing: ResponseFormat = serde_json::from_value(serde_json::json!(
-            {"type": "json_schema", "json_schema": {"name": "x"}})).unwrap();
+            {"type": "json_schema", "json_schema": {"name": "x"}}))
+        .unwrap();
         assert!(validate(&missing.to_grammar().unwrap()).is_err());
         let hf: ResponseFormat = serde_json::from_value(serde_json::json!(
-            {"type": "json_object", "value": {"type": "integer"}})).unwrap();
+            {"type": "json_object", "value": {"type": "integer"}}))
+        .unwrap();
         assert_eq!(validate(&hf.to_grammar().unwrap()).unwrap().value, r#"{"type":"integer"}"#);
         let tgi: ResponseFormat = serde_json::from_value(serde_json::json!(
-            {"type": "regex", "value": "a+"})).unwrap();
+            {"type": "regex", "value": "a+"}))
+        .unwrap();
         assert_eq!(validate(&tgi.to_grammar().unwrap()).unwrap().r#type, pb::GrammarType::Regex as i32);
     }
 }

@@ -22,7 +22,11 @@ pub struct Group {
 
 /// Connects to and warms up every group, in order (on one host they share
 /// the machine: warming up one at a time keeps each measurement honest).
-pub async fn connect(groups: &[Vec<ShardAddr>], auth: &ShardAuth, warmup: &pb::WarmupRequest) -> Result<Vec<Group>, String> {
+pub async fn connect(
+    groups: &[Vec<ShardAddr>],
+    auth: &ShardAuth,
+    warmup: &pb::WarmupRequest,
+) -> Result<Vec<Group>, String> {
     let mut out: Vec<Group> = Vec::with_capacity(groups.len());
     for (i, paths) in groups.iter().enumerate() {
         let mut client = ShardedClient::connect(paths, auth, Duration::from_secs(600)).await?;
@@ -39,7 +43,8 @@ pub async fn connect(groups: &[Vec<ShardAddr>], auth: &ShardAuth, warmup: &pb::W
             }
         }
         tracing::info!("warming up shard group {i} ({} shard(s))", client.num_shards());
-        let warm = client.warmup(*warmup).await.map_err(|e| format!("group {i}: shard Warmup failed: {}", e.message()))?;
+        let warm =
+            client.warmup(*warmup).await.map_err(|e| format!("group {i}: shard Warmup failed: {}", e.message()))?;
         out.push(Group { client, info, warmup: warm });
     }
     Ok(out)

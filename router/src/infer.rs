@@ -277,10 +277,8 @@ impl Infer {
         self.refuse_if_draining()?;
         let permit = Arc::new(permit);
         self.validation.check_fanout(name, n)?;
-        let mut request = self
-            .validation
-            .validate(input.inputs, input.input_ids, input.parameters, input.add_special_tokens)
-            .await?;
+        let mut request =
+            self.validation.validate(input.inputs, input.input_ids, input.parameters, input.add_special_tokens).await?;
         if let Err(e) = self.validation.check_fits_pool(&request, n) {
             RouterState::add(&self.state.requests_too_large_total, 1);
             return Err(e);
@@ -353,7 +351,12 @@ impl Infer {
     }
 
     /// All `n` sequences, in submission order.
-    pub async fn generate_n(&self, input: GenerateInput, n: u32, name: &str) -> Result<Vec<InferResponse>, RouterError> {
+    pub async fn generate_n(
+        &self,
+        input: GenerateInput,
+        n: u32,
+        name: &str,
+    ) -> Result<Vec<InferResponse>, RouterError> {
         let handles = self.generate_streams(input, n, name).await?;
         futures::future::try_join_all(handles.into_iter().map(StreamHandle::collect)).await
     }

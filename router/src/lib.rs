@@ -15,6 +15,8 @@ pub mod metrics;
 mod metrics_tier;
 pub mod placement;
 pub mod proto;
+#[cfg(feature = "python")]
+mod python;
 pub mod queue;
 pub mod reasoning;
 pub mod scheduler;
@@ -23,8 +25,6 @@ pub mod stop;
 pub mod stream;
 pub mod tools;
 pub mod validation;
-#[cfg(feature = "python")]
-mod python;
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -47,8 +47,8 @@ use crate::validation::{Limits, Validation};
 pub async fn run(config: RouterConfig) -> Result<(), String> {
     config.check()?;
     let tokenizer_path = config.tokenizer_dir.join("tokenizer.json");
-    let tokenizer = Tokenizer::from_file(&tokenizer_path)
-        .map_err(|e| format!("cannot load {}: {e}", tokenizer_path.display()))?;
+    let tokenizer =
+        Tokenizer::from_file(&tokenizer_path).map_err(|e| format!("cannot load {}: {e}", tokenizer_path.display()))?;
     let tokenizer = Arc::new(tokenizer);
 
     let warmup_request = pb::WarmupRequest {
@@ -196,9 +196,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
     };
     let routes = http::router(app, config.payload_limit);
     let addr = format!("{}:{}", config.hostname, config.port);
-    let listener = tokio::net::TcpListener::bind(&addr)
-        .await
-        .map_err(|e| format!("cannot listen on {addr}: {e}"))?;
+    let listener = tokio::net::TcpListener::bind(&addr).await.map_err(|e| format!("cannot listen on {addr}: {e}"))?;
     tracing::info!("router listening on http://{addr}");
     let timeout = Duration::from_secs(config.shutdown_timeout_s);
     let (deadline_tx, deadline_rx) = tokio::sync::oneshot::channel::<tokio::time::Instant>();
@@ -252,8 +250,7 @@ const CUTOFF_GRACE: Duration = Duration::from_secs(1);
 
 async fn shutdown_signal() {
     let ctrl_c = tokio::signal::ctrl_c();
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-        .expect("SIGTERM handler");
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
     tokio::select! {
         _ = ctrl_c => {},
         _ = term.recv() => {},

@@ -30,13 +30,7 @@ struct HistogramData {
 
 impl Histogram {
     pub fn new(bounds: &'static [f64]) -> Self {
-        Self {
-            bounds,
-            inner: Mutex::new(HistogramData {
-                counts: vec![0; bounds.len() + 1],
-                ..Default::default()
-            }),
-        }
+        Self { bounds, inner: Mutex::new(HistogramData { counts: vec![0; bounds.len() + 1], ..Default::default() }) }
     }
 
     pub fn observe(&self, v: f64) {
@@ -141,8 +135,16 @@ pub fn render(st: &RouterState) -> String {
         let _ = writeln!(out, "{name}{{priority=\"{p}\"}} {n}");
     }
     let counters: [(&str, &str, f64); 14] = [
-        ("pagemill_prefix_hit_tokens_total", "Prompt tokens served from the prefix cache", get(&st.prefix_hit_tokens_total)),
-        ("pagemill_preemptions_total", "Sequences preempted when the KV pool ran out or for a better-priority arrival", get(&st.preemptions_total)),
+        (
+            "pagemill_prefix_hit_tokens_total",
+            "Prompt tokens served from the prefix cache",
+            get(&st.prefix_hit_tokens_total),
+        ),
+        (
+            "pagemill_preemptions_total",
+            "Sequences preempted when the KV pool ran out or for a better-priority arrival",
+            get(&st.preemptions_total),
+        ),
         (
             "pagemill_kv_window_released_blocks_total",
             "KV blocks running sequences gave back behind a sliding window",
@@ -184,8 +186,13 @@ pub fn render(st: &RouterState) -> String {
         scalar(&mut out, name, "counter", help, v);
     }
     crate::metrics_tier::render(st, &mut out);
-    scalar(&mut out, "pagemill_requeued_total", "counter",
-        "Sequences moved to another shard group when theirs failed", get(&st.requeued_total));
+    scalar(
+        &mut out,
+        "pagemill_requeued_total",
+        "counter",
+        "Sequences moved to another shard group when theirs failed",
+        get(&st.requeued_total),
+    );
     render_groups(st, &mut out);
     let name = "pagemill_http_requests_total";
     let _ = writeln!(out, "# HELP {name} HTTP responses by route and status\n# TYPE {name} counter");
@@ -213,15 +220,36 @@ fn render_groups(st: &RouterState, out: &mut String) {
     let get = |v: &AtomicU64| RouterState::get(v) as f64;
     let rows: [(&str, &str, &str, Field); 10] = [
         ("pagemill_group_serving", "gauge", "1 while the shard group is in rotation", |g| g.serving() as u8 as f64),
-        ("pagemill_group_queue_size", "gauge", "Requests waiting for admission in the group", |g| RouterState::get(&g.queue_size) as f64),
-        ("pagemill_group_batch_size", "gauge", "Sequences in the group's running batch", |g| RouterState::get(&g.batch_size) as f64),
-        ("pagemill_group_kv_blocks_total", "gauge", "KV blocks of the group's pool", |g| RouterState::get(&g.kv_blocks_total) as f64),
-        ("pagemill_group_kv_blocks_free", "gauge", "KV blocks free (or evictable) in the group", |g| RouterState::get(&g.kv_blocks_free) as f64),
-        ("pagemill_group_kv_blocks_cached", "gauge", "KV blocks indexed by the group's prefix cache", |g| RouterState::get(&g.kv_blocks_cached) as f64),
-        ("pagemill_group_requests_placed_total", "counter", "Requests placed on the group", |g| RouterState::get(&g.placed_total) as f64),
-        ("pagemill_group_prefill_tokens_total", "counter", "Prompt tokens the group computed", |g| RouterState::get(&g.prefill_tokens_total) as f64),
-        ("pagemill_group_prefix_hit_tokens_total", "counter", "Prompt tokens the group served from its prefix cache", |g| RouterState::get(&g.prefix_hit_tokens_total) as f64),
-        ("pagemill_group_generated_tokens_total", "counter", "Tokens the group generated", |g| RouterState::get(&g.generated_tokens_total) as f64),
+        ("pagemill_group_queue_size", "gauge", "Requests waiting for admission in the group", |g| {
+            RouterState::get(&g.queue_size) as f64
+        }),
+        ("pagemill_group_batch_size", "gauge", "Sequences in the group's running batch", |g| {
+            RouterState::get(&g.batch_size) as f64
+        }),
+        ("pagemill_group_kv_blocks_total", "gauge", "KV blocks of the group's pool", |g| {
+            RouterState::get(&g.kv_blocks_total) as f64
+        }),
+        ("pagemill_group_kv_blocks_free", "gauge", "KV blocks free (or evictable) in the group", |g| {
+            RouterState::get(&g.kv_blocks_free) as f64
+        }),
+        ("pagemill_group_kv_blocks_cached", "gauge", "KV blocks indexed by the group's prefix cache", |g| {
+            RouterState::get(&g.kv_blocks_cached) as f64
+        }),
+        ("pagemill_group_requests_placed_total", "counter", "Requests placed on the group", |g| {
+            RouterState::get(&g.placed_total) as f64
+        }),
+        ("pagemill_group_prefill_tokens_total", "counter", "Prompt tokens the group computed", |g| {
+            RouterState::get(&g.prefill_tokens_total) as f64
+        }),
+        (
+            "pagemill_group_prefix_hit_tokens_total",
+            "counter",
+            "Prompt tokens the group served from its prefix cache",
+            |g| RouterState::get(&g.prefix_hit_tokens_total) as f64,
+        ),
+        ("pagemill_group_generated_tokens_total", "counter", "Tokens the group generated", |g| {
+            RouterState::get(&g.generated_tokens_total) as f64
+        }),
     ];
     let _ = get;
     for (name, kind, help, f) in rows {

@@ -58,10 +58,7 @@ fn serve(py: Python<'_>, argv: Vec<String>) -> PyResult<()> {
         .with_writer(std::io::stderr)
         .try_init();
     py.detach(|| {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .enable_all()
-            .build()
-            .map_err(|e| e.to_string())?;
+        let runtime = tokio::runtime::Builder::new_multi_thread().enable_all().build().map_err(|e| e.to_string())?;
         runtime.block_on(crate::run(config))
     })
     .map_err(PyRuntimeError::new_err)

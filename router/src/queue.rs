@@ -77,9 +77,9 @@ impl Entry {
     /// Tells the client of an overdue entry why it was dropped.
     pub fn answer_queue_timeout(&self, now: Instant) {
         let waited = now.saturating_duration_since(self.queued_at).as_millis();
-        let _ = self.response_tx.send(Err(RouterError::QueueTimeout(format!(
-            "waited {waited} ms in the queue without being scheduled"
-        ))));
+        let _ = self
+            .response_tx
+            .send(Err(RouterError::QueueTimeout(format!("waited {waited} ms in the queue without being scheduled"))));
     }
 }
 
@@ -108,7 +108,8 @@ mod tests {
             priority: 0,
             tenant: None,
         };
-        let e = Entry { id: 0, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: deadline, group: None };
+        let e =
+            Entry { id: 0, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: deadline, group: None };
         (e, rx)
     }
 

@@ -51,7 +51,9 @@ enum State {
     Start,
     Reasoning,
     /// After the block; whitespace before the answer is dropped.
-    Answer { started: bool },
+    Answer {
+        started: bool,
+    },
 }
 
 /// `split` for a streamed reply: text in, (reasoning, answer) deltas out.
@@ -166,7 +168,10 @@ mod tests {
 
     #[test]
     fn whole_replies() {
-        assert_eq!(split(RECORDED[0].0, false), (Some("\nThe user greets me.\n".into()), "Hello! How can I help?".into()));
+        assert_eq!(
+            split(RECORDED[0].0, false),
+            (Some("\nThe user greets me.\n".into()), "Hello! How can I help?".into())
+        );
         assert_eq!(split(RECORDED[1].0, true), (Some("Okay, 2+2 is 4.\n".into()), "The answer is 4.".into()));
         assert_eq!(split(RECORDED[2].0, true), (Some(RECORDED[2].0.into()), String::new()));
         assert_eq!(split(RECORDED[3].0, false), (None, RECORDED[3].0.into()));
@@ -209,6 +214,9 @@ mod tests {
         assert!(g.starts_with("start: REASONING? think_close WS? answer\nthink_close: \"</think>\" | <[7]>\n"), "{g}");
         assert!(g.contains("\nanswer: call\ncall: \"x\"\n"), "{g}");
         let g = wrap_grammar("start: \"x\"", false, (None, None));
-        assert!(g.starts_with("start: (think_open REASONING? think_close WS?)? answer\nthink_open: \"<think>\"\n"), "{g}");
+        assert!(
+            g.starts_with("start: (think_open REASONING? think_close WS?)? answer\nthink_open: \"<think>\"\n"),
+            "{g}"
+        );
     }
 }

@@ -19,10 +19,7 @@ pub enum StopResult {
 
 impl StopMatcher {
     pub fn new(stops: Vec<String>) -> Self {
-        Self {
-            stops,
-            pending: String::new(),
-        }
+        Self { stops, pending: String::new() }
     }
 
     pub fn push(&mut self, text: &str) -> StopResult {

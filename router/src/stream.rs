@@ -50,12 +50,8 @@ pub struct TextContext {
 
 impl TextContext {
     pub fn new(tokenizer: Arc<Tokenizer>) -> Self {
-        let special_ids = tokenizer
-            .get_added_tokens_decoder()
-            .iter()
-            .filter(|(_, t)| t.special)
-            .map(|(&id, _)| id)
-            .collect();
+        let special_ids =
+            tokenizer.get_added_tokens_decoder().iter().filter(|(_, t)| t.special).map(|(&id, _)| id).collect();
         Self { tokenizer, special_ids: Arc::new(special_ids) }
     }
 
@@ -243,7 +239,13 @@ mod tests {
     }
 
     fn tokens(ids: &[u32], finish: Option<Finish>) -> SeqEvent {
-        SeqEvent::Tokens { ids: ids.to_vec(), logprobs: vec![-1.0; ids.len()], top: vec![], finish, started_at: Instant::now() }
+        SeqEvent::Tokens {
+            ids: ids.to_vec(),
+            logprobs: vec![-1.0; ids.len()],
+            top: vec![],
+            finish,
+            started_at: Instant::now(),
+        }
     }
 
     #[test]

@@ -91,9 +91,7 @@ impl Validation {
     pub async fn encode(&self, text: String, add_special_tokens: bool) -> Result<tokenizers::Encoding, RouterError> {
         let tokenizer = self.tokenizer.clone();
         tokio::task::spawn_blocking(move || {
-            tokenizer
-                .encode(text, add_special_tokens)
-                .map_err(|e| invalid(format!("tokenization failed: {e}")))
+            tokenizer.encode(text, add_special_tokens).map_err(|e| invalid(format!("tokenization failed: {e}")))
         })
         .await
         .map_err(|e| invalid(format!("tokenization task failed: {e}")))?
@@ -165,16 +163,10 @@ impl Validation {
             )));
         }
         let max_new_tokens = match p.max_new_tokens {
-            Some(n) if n <= 0 => {
-                return Err(invalid(format!("`max_new_tokens` must be strictly positive, got {n}")))
-            }
-            Some(n) if n > u32::MAX as i64 => {
-                return Err(invalid(format!("`max_new_tokens` is too large: {n}")))
-            }
+            Some(n) if n <= 0 => return Err(invalid(format!("`max_new_tokens` must be strictly positive, got {n}"))),
+            Some(n) if n > u32::MAX as i64 => return Err(invalid(format!("`max_new_tokens` is too large: {n}"))),
             Some(n) => n as u32,
-            None => limits
-                .default_max_new_tokens
-                .min(limits.max_total_tokens - input_len),
+            None => limits.default_max_new_tokens.min(limits.max_total_tokens - input_len),
         };
         if input_len as u64 + max_new_tokens as u64 > limits.max_total_tokens as u64 {
             return Err(invalid(format!(
@@ -216,9 +208,8 @@ impl Validation {
         }
         let priority = match p.priority {
             None => 0,
-            Some(v) => i32::try_from(v).map_err(|_| {
-                invalid(format!("`priority` must be in [{}, {}], got {v}", i32::MIN, i32::MAX))
-            })?,
+            Some(v) => i32::try_from(v)
+                .map_err(|_| invalid(format!("`priority` must be in [{}, {}], got {v}", i32::MIN, i32::MAX)))?,
         };
         Ok(ValidRequest {
             inputs,
@@ -256,7 +247,10 @@ impl Validation {
     /// Keys are token ids written as strings (JSON object keys), as OpenAI's.
     fn check_logit_bias(&self, bias: &[(String, f32)]) -> Result<std::collections::HashMap<u32, f32>, RouterError> {
         if bias.len() > MAX_TOKEN_ID_LIST {
-            return Err(invalid(format!("`logit_bias` lists at most {MAX_TOKEN_ID_LIST} tokens. Given: {}", bias.len())));
+            return Err(invalid(format!(
+                "`logit_bias` lists at most {MAX_TOKEN_ID_LIST} tokens. Given: {}",
+                bias.len()
+            )));
         }
         let mut out = std::collections::HashMap::with_capacity(bias.len());
         for (key, value) in bias {
@@ -292,10 +286,7 @@ impl Validation {
             return Err(invalid(format!("`{name}` must be strictly positive")));
         }
         if n > self.limits.max_best_of {
-            return Err(invalid(format!(
-                "`{name}` must be <= {}. Given: {n}",
-                self.limits.max_best_of
-            )));
+            return Err(invalid(format!("`{name}` must be <= {}. Given: {n}", self.limits.max_best_of)));
         }
         Ok(())
     }

@@ -101,7 +101,8 @@ impl ShardedClient {
         if let Some(t) = best.kv_tier.as_mut() {
             for r in &results[1..] {
                 let theirs = r.kv_tier.as_ref();
-                let has: std::collections::HashSet<&String> = theirs.map(|x| x.keys.iter().collect()).unwrap_or_default();
+                let has: std::collections::HashSet<&String> =
+                    theirs.map(|x| x.keys.iter().collect()).unwrap_or_default();
                 t.keys.retain(|k| has.contains(k));
                 t.capacity_blocks = t.capacity_blocks.min(theirs.map_or(0, |x| x.capacity_blocks));
             }

@@ -24,9 +24,9 @@ pub async fn require_api_key(State(app): State<AppState>, req: Request, next: Ne
     match given {
         Some(g) if constant_time_eq(g.as_bytes(), key.as_bytes()) => Ok(next.run(req).await),
         Some(_) => Err(RouterError::Unauthorized("invalid API key".into())),
-        None => Err(RouterError::Unauthorized(
-            "missing `Authorization: Bearer <api key>` (or `x-api-key`) header".into(),
-        )),
+        None => {
+            Err(RouterError::Unauthorized("missing `Authorization: Bearer <api key>` (or `x-api-key`) header".into()))
+        }
     }
 }
 

@@ -77,13 +77,29 @@ mod tests {
     #[test]
     fn spec_has_every_route_and_schema() {
         let spec = serde_json::to_value(ApiDoc::openapi()).unwrap();
-        for path in ["/", "/generate", "/generate_stream", "/tokenize", "/v1/completions", "/v1/chat/completions",
-                     "/v1/models", "/health", "/info", "/metrics"] {
+        for path in [
+            "/",
+            "/generate",
+            "/generate_stream",
+            "/tokenize",
+            "/v1/completions",
+            "/v1/chat/completions",
+            "/v1/models",
+            "/health",
+            "/info",
+            "/metrics",
+        ] {
             assert!(spec["paths"].get(path).is_some(), "missing {path}");
         }
         let schemas = &spec["components"]["schemas"];
-        for s in ["GenerateRequest", "GenerateParameters", "ChatCompletionRequest", "ErrorBody", "GrammarParam",
-                  "OpenAiErrorBody"] {
+        for s in [
+            "GenerateRequest",
+            "GenerateParameters",
+            "ChatCompletionRequest",
+            "ErrorBody",
+            "GrammarParam",
+            "OpenAiErrorBody",
+        ] {
             assert!(schemas.get(s).is_some(), "missing schema {s}");
         }
     }
@@ -108,7 +124,9 @@ mod tests {
     fn accepted_openai_fields_are_the_schema_fields() {
         use crate::http::openai::types::{ChatCompletionRequest, CompletionRequest, OpenAiBody, SAMPLING_FIELDS};
         let spec = serde_json::to_value(ApiDoc::openapi()).unwrap();
-        for (name, own) in [("CompletionRequest", CompletionRequest::FIELDS), ("ChatCompletionRequest", ChatCompletionRequest::FIELDS)] {
+        for (name, own) in
+            [("CompletionRequest", CompletionRequest::FIELDS), ("ChatCompletionRequest", ChatCompletionRequest::FIELDS)]
+        {
             let documented = properties(&spec, &spec["components"]["schemas"][name]);
             let accepted: std::collections::BTreeSet<String> =
                 own.iter().chain(SAMPLING_FIELDS).map(|s| s.to_string()).collect();

@@ -58,7 +58,9 @@ where
         let Some(object) = value.as_object() else {
             return Err(RouterError::InvalidJson("the body must be a JSON object".into()));
         };
-        if let Some(key) = object.keys().find(|k| !T::FIELDS.contains(&k.as_str()) && !SAMPLING_FIELDS.contains(&k.as_str())) {
+        if let Some(key) =
+            object.keys().find(|k| !T::FIELDS.contains(&k.as_str()) && !SAMPLING_FIELDS.contains(&k.as_str()))
+        {
             return Err(RouterError::InvalidJson(format!("`{key}`: unknown field, not supported by this route")));
         }
         // The shared fields first, on their own: inside the flattened body serde

@@ -6,8 +6,8 @@ mod docs;
 mod extract;
 mod headers;
 pub mod openai;
-pub mod responses;
 mod ops;
+pub mod responses;
 mod tenant;
 pub mod tgi;
 pub mod types;
@@ -117,10 +117,8 @@ pub fn router(app: AppState, payload_limit: usize) -> Router {
 /// `pagemill_http_requests_total{route, status}`; the label is the matched
 /// route pattern (bounded), "unmatched" for everything else.
 async fn count_responses(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    let route = req
-        .extensions()
-        .get::<MatchedPath>()
-        .map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
+    let route =
+        req.extensions().get::<MatchedPath>().map_or_else(|| "unmatched".to_string(), |p| p.as_str().to_string());
     let resp = next.run(req).await;
     app.state.metrics.count_http(&route, resp.status().as_u16());
     resp

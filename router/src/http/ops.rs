@@ -59,11 +59,8 @@ pub async fn health(State(app): State<AppState>) -> Result<Json<serde_json::Valu
     if serving == groups.len() {
         return Ok(Json(json!({"status": "ok"})));
     }
-    let details: Vec<serde_json::Value> = groups
-        .iter()
-        .enumerate()
-        .map(|(i, (ok, why))| json!({"group": i, "serving": ok, "error": why}))
-        .collect();
+    let details: Vec<serde_json::Value> =
+        groups.iter().enumerate().map(|(i, (ok, why))| json!({"group": i, "serving": ok, "error": why})).collect();
     Ok(Json(json!({"status": "degraded", "serving_groups": serving, "groups": details})))
 }
 
@@ -154,7 +151,8 @@ mod tests {
             speculate: 0,
         };
         let (queue_tx, _) = tokio::sync::mpsc::unbounded_channel();
-        let placer = Arc::new(crate::placement::Placer::single(queue_tx, crate::kv::KvManager::new(16, 4, true), &state));
+        let placer =
+            Arc::new(crate::placement::Placer::single(queue_tx, crate::kv::KvManager::new(16, 4, true), &state));
         let infer = Infer::new(
             Validation::new(tokenizer.clone(), limits),
             placer,

@@ -17,9 +17,9 @@ use super::types::{
 };
 use super::AppState;
 use crate::error::{ErrorBody, RouterError};
+use crate::http::tenant::Tenant;
 use crate::infer::{GenerateInput, InferResponse, StreamHandle};
 use crate::stream::InferStreamResponse;
-use crate::http::tenant::Tenant;
 
 /// Generate text for a prompt (whole response at once).
 #[utoipa::path(post, path = "/generate", tag = "TGI", request_body = GenerateRequest,
@@ -32,7 +32,11 @@ use crate::http::tenant::Tenant;
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
         (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
-pub async fn generate(State(app): State<AppState>, tenant: Tenant, JsonBody(mut req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
+pub async fn generate(
+    State(app): State<AppState>,
+    tenant: Tenant,
+    JsonBody(mut req): JsonBody<GenerateRequest>,
+) -> Result<Response, RouterError> {
     tenant.fill(&mut req.parameters.user);
     let (headers, body) = run_generate(&app, req).await?;
     Ok((headers, Json(body)).into_response())
@@ -48,7 +52,11 @@ pub async fn generate(State(app): State<AppState>, tenant: Tenant, JsonBody(mut 
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
         (status = 503, description = "Shutting down (draining)", body = ErrorBody),
     ))]
-pub async fn generate_stream(State(app): State<AppState>, tenant: Tenant, JsonBody(mut req): JsonBody<GenerateRequest>) -> Result<Response, RouterError> {
+pub async fn generate_stream(
+    State(app): State<AppState>,
+    tenant: Tenant,
+    JsonBody(mut req): JsonBody<GenerateRequest>,
+) -> Result<Response, RouterError> {
     tenant.fill(&mut req.parameters.user);
     run_generate_stream(&app, req).await
 }
@@ -88,7 +96,10 @@ pub async fn compat_generate(
         (status = 413, description = "Body over --payload-limit", body = ErrorBody),
         (status = 422, description = "Invalid input", body = ErrorBody),
     ))]
-pub async fn tokenize(State(app): State<AppState>, JsonBody(req): JsonBody<GenerateRequest>) -> Result<Json<Vec<SimpleToken>>, RouterError> {
+pub async fn tokenize(
+    State(app): State<AppState>,
+    JsonBody(req): JsonBody<GenerateRequest>,
+) -> Result<Json<Vec<SimpleToken>>, RouterError> {
     let encoding = app.infer.validation().encode(req.inputs.clone(), true).await?;
     let tokenizer = app.infer.validation().tokenizer();
     let tokens = encoding
@@ -121,15 +132,15 @@ fn best_of_sequence(r: InferResponse, prefix: &str) -> BestOfSequence {
     }
 }
 
-async fn run_generate(app: &AppState, req: GenerateRequest) -> Result<(axum::http::HeaderMap, GenerateResponse), RouterError> {
+async fn run_generate(
+    app: &AppState,
+    req: GenerateRequest,
+) -> Result<(axum::http::HeaderMap, GenerateResponse), RouterError> {
     let p = &req.parameters;
     let details = p.details || p.decoder_input_details;
     let prefix = if p.return_full_text.unwrap_or(false) { req.inputs.clone() } else { String::new() };
     let best_of = p.best_of.unwrap_or(1);
-    let mut all = app
-        .infer
-        .generate_n(GenerateInput::new(req.inputs, req.parameters), best_of, "best_of")
-        .await?;
+    let mut all = app.infer.generate_n(GenerateInput::new(req.inputs, req.parameters), best_of, "best_of").await?;
     // best_of: the candidate the model itself finds most likely wins.
     let best = (0..all.len())
         .max_by(|&a, &b| all[a].cumulative_logprob().total_cmp(&all[b].cumulative_logprob()))
@@ -172,7 +183,11 @@ struct StreamState {
 
 /// One SSE event per token; the last carries generated_text (and details); a
 /// failure ends the stream with an error event, never a silent close.
-fn sse_events(handle: StreamHandle, details: bool, prefix: Option<String>) -> impl Stream<Item = Result<Event, Infallible>> {
+fn sse_events(
+    handle: StreamHandle,
+    details: bool,
+    prefix: Option<String>,
+) -> impl Stream<Item = Result<Event, Infallible>> {
     let st = StreamState { handle: Some(handle), index: 0, details, prefix };
     stream::unfold(st, |mut st| async move {
         let handle = st.handle.as_mut()?;
@@ -193,7 +208,13 @@ fn sse_events(handle: StreamHandle, details: bool, prefix: Option<String>) -> im
                 Ok(InferStreamResponse::Prefill(_)) => continue,
                 Ok(InferStreamResponse::Token { token, top_tokens }) => {
                     st.index += 1;
-                    json_event(&StreamResponse { index: st.index, token, top_tokens, generated_text: None, details: None })
+                    json_event(&StreamResponse {
+                        index: st.index,
+                        token,
+                        top_tokens,
+                        generated_text: None,
+                        details: None,
+                    })
                 }
                 Ok(InferStreamResponse::End { token, top_tokens, generated_text, .. }) => {
                     st.index += 1;

@@ -17,11 +17,7 @@ impl BlockAllocator {
         assert!(block_size > 0, "block_size must be positive");
         // Pop from the end: low ids first, which keeps traces readable.
         let free = (RESERVED_BLOCKS..num_blocks.max(RESERVED_BLOCKS)).rev().collect();
-        Self {
-            free,
-            refs: vec![0; num_blocks as usize],
-            block_size,
-        }
+        Self { free, refs: vec![0; num_blocks as usize], block_size }
     }
 
     pub fn block_size(&self) -> u32 {

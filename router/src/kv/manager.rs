@@ -1,15 +1,16 @@
 //! The router's KV cache: the refcounted allocator and the radix prefix
-//! cache behind one lock, and `KvBlocks`, a sequence's block table that
-//! releases its references on Drop.
+//! cache behind one lock; a sequence's share of it is a `KvBlocks`
+//! (blocks.rs), which releases its references on Drop.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::block_allocator::BlockAllocator;
+use super::blocks::KvBlocks;
 use super::radix::RadixCache;
 use super::second_tier::{SecondTier, TierConfig, TierOps, TierStats};
 
 #[derive(Debug)]
-struct Inner {
+pub(super) struct Inner {
     alloc: BlockAllocator,
     radix: RadixCache,
     prefix_caching: bool,
@@ -17,23 +18,23 @@ struct Inner {
 }
 
 impl Inner {
-    fn retain(&mut self, id: u32) {
+    pub(super) fn retain(&mut self, id: u32) {
         if self.alloc.retain(id) == 2 && self.radix.contains(id) {
             self.radix.set_unused(id, false);
         }
     }
 
-    fn release(&mut self, id: u32) {
+    pub(super) fn release(&mut self, id: u32) {
         if self.alloc.release(id) == 1 && self.radix.contains(id) {
             self.radix.set_unused(id, true);
         }
     }
 
-    fn available(&self) -> u32 {
+    pub(super) fn available(&self) -> u32 {
         self.alloc.free_blocks() + self.radix.reclaimable() as u32
     }
 
-    fn allocate(&mut self, n: u32) -> Option<Vec<u32>> {
+    pub(super) fn allocate(&mut self, n: u32) -> Option<Vec<u32>> {
         if self.available() < n {
             return None;
         }
@@ -57,8 +58,8 @@ impl Inner {
 /// poisoned lock is taken over instead of turning one panic into many.
 #[derive(Debug, Clone)]
 pub struct KvManager {
-    inner: Arc<Mutex<Inner>>,
-    block_size: u32,
+    pub(super) inner: Arc<Mutex<Inner>>,
+    pub(super) block_size: u32,
     capacity: u32,
 }
 
@@ -183,21 +184,13 @@ impl KvManager {
         for &id in &ids {
             g.retain(id);
         }
-        KvBlocks {
-            ids,
-            manager: self.clone(),
-            dropped: 0,
-        }
+        KvBlocks::new(ids, self.clone())
     }
 
     /// `n` fresh blocks, evicting cached prefixes if needed; all-or-nothing.
     pub fn allocate(&self, n: u32) -> Option<KvBlocks> {
         let ids = self.inner.lock().unwrap_or_else(PoisonError::into_inner).allocate(n)?;
-        Some(KvBlocks {
-            ids,
-            manager: self.clone(),
-            dropped: 0,
-        })
+        Some(KvBlocks::new(ids, self.clone()))
     }
 
     /// Indexes the full blocks of `tokens` (whose KV the shard has computed)
@@ -268,104 +261,5 @@ impl KvManager {
 
     pub fn refs(&self, block: u32) -> u32 {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner).alloc.refs(block)
-    }
-}
-
-/// One sequence's block table, in order. Dropping it releases every block,
-/// so any path that ends a sequence (finish, stop, disconnect, preemption,
-/// shard error) returns its memory.
-#[derive(Debug)]
-pub struct KvBlocks {
-    ids: Vec<u32>,
-    manager: KvManager,
-    /// Leading blocks given back behind a sliding window (release_behind): their
-    /// ids stay in `ids`, as in the shard's copy of the table, but are no longer held.
-    dropped: u32,
-}
-
-impl KvBlocks {
-    pub fn ids(&self) -> &[u32] {
-        &self.ids
-    }
-
-    pub fn len(&self) -> u32 {
-        self.ids.len() as u32
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.ids.is_empty()
-    }
-
-    pub fn capacity_tokens(&self) -> u32 {
-        self.len() * self.manager.block_size
-    }
-
-    /// Gives back the blocks before block `n` (those no query will read again,
-    /// every layer's window having passed them); returns how many were released
-    /// now. Their KV may still be in the prefix cache, which holds its own
-    /// reference: a cached prefix stays complete.
-    pub fn release_behind(&mut self, n: u32) -> u32 {
-        let n = n.min(self.len());
-        if n <= self.dropped {
-            return 0;
-        }
-        let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        for &id in &self.ids[self.dropped as usize..n as usize] {
-            g.release(id);
-        }
-        let released = n - self.dropped;
-        self.dropped = n;
-        released
-    }
-
-    /// A table sharing this one's first `n` blocks (forks of `n`/`best_of`);
-    /// none where blocks were given back (forks are admitted before any are).
-    pub fn share_prefix(&self, n: u32) -> KvBlocks {
-        let n = if self.dropped > 0 { 0 } else { n };
-        let ids: Vec<u32> = self.ids[..n as usize].to_vec();
-        let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        for &id in &ids {
-            g.retain(id);
-        }
-        KvBlocks {
-            ids,
-            manager: self.manager.clone(),
-            dropped: 0,
-        }
-    }
-
-    /// Grows the table to hold `tokens` tokens. False, with the table
-    /// unchanged, when the pool cannot supply the blocks.
-    pub fn ensure_capacity(&mut self, tokens: u32) -> bool {
-        let needed = self.manager.blocks_for(tokens);
-        if needed <= self.len() {
-            return true;
-        }
-        match self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner).allocate(needed - self.len()) {
-            Some(more) => {
-                self.ids.extend(more);
-                true
-            }
-            None => false,
-        }
-    }
-
-    /// Flat slot of token position `pos` (block * block_size + offset).
-    pub fn slot(&self, pos: u32) -> u64 {
-        let bs = self.manager.block_size;
-        self.ids[(pos / bs) as usize] as u64 * bs as u64 + (pos % bs) as u64
-    }
-
-    pub fn slots(&self, start: u32, end: u32) -> Vec<u64> {
-        (start..end).map(|p| self.slot(p)).collect()
-    }
-}
-
-impl Drop for KvBlocks {
-    fn drop(&mut self) {
-        let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
-        for &id in &self.ids[self.dropped as usize..] {
-            g.release(id);
-        }
     }
 }

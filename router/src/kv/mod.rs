@@ -2,16 +2,18 @@
 //! write where they are told.
 
 pub mod block_allocator;
+pub mod blocks;
 pub mod manager;
 pub mod radix;
 pub mod second_tier;
-pub mod tier;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_tier;
+pub mod tier;
 
 pub use block_allocator::BlockAllocator;
-pub use manager::{KvBlocks, KvManager, KvStats};
+pub use blocks::KvBlocks;
+pub use manager::{KvManager, KvStats};
 pub use radix::RadixCache;
 pub use second_tier::{TierConfig, TierOps, TierStats};

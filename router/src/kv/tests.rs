@@ -18,16 +18,30 @@ pub(super) struct Seq {
 #[derive(Debug, Clone)]
 enum Op {
     /// Admit a sequence whose prompt is `len` tokens of pattern `pat`.
-    Admit { pat: u8, len: u8 },
+    Admit {
+        pat: u8,
+        len: u8,
+    },
     /// Generate `n` tokens for a running sequence.
-    Extend { seq: usize, n: u8 },
+    Extend {
+        seq: usize,
+        n: u8,
+    },
     /// Commit a sequence's computed full blocks into the cache.
-    Commit { seq: usize },
-    Finish { seq: usize },
+    Commit {
+        seq: usize,
+    },
+    Finish {
+        seq: usize,
+    },
     /// Commit then drop, as preemption does.
-    Preempt { seq: usize },
+    Preempt {
+        seq: usize,
+    },
     /// Grab raw blocks (eviction pressure), then return them.
-    Pressure { n: u8 },
+    Pressure {
+        n: u8,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {

@@ -14,11 +14,20 @@ use super::{KvManager, TierConfig};
 
 #[derive(Debug, Clone)]
 enum Op {
-    Admit { pat: u8, len: u8 },
-    Finish { seq: usize },
-    Pressure { n: u8 },
+    Admit {
+        pat: u8,
+        len: u8,
+    },
+    Finish {
+        seq: usize,
+    },
+    Pressure {
+        n: u8,
+    },
     /// Flip bytes of one stored file (the n-th key, if any).
-    Corrupt { n: usize },
+    Corrupt {
+        n: usize,
+    },
 }
 
 fn op() -> impl Strategy<Value = Op> {

@@ -48,11 +48,19 @@ pub struct TierCosts {
 impl TierCosts {
     /// Seconds to load one block, and to recompute it.
     pub fn load_s(&self) -> f64 {
-        if self.load_bytes_per_s > 0.0 { self.block_bytes as f64 / self.load_bytes_per_s } else { 0.0 }
+        if self.load_bytes_per_s > 0.0 {
+            self.block_bytes as f64 / self.load_bytes_per_s
+        } else {
+            0.0
+        }
     }
 
     pub fn recompute_s(&self, block_size: u32) -> f64 {
-        if self.prefill_tokens_per_s > 0.0 { block_size as f64 / self.prefill_tokens_per_s } else { f64::INFINITY }
+        if self.prefill_tokens_per_s > 0.0 {
+            block_size as f64 / self.prefill_tokens_per_s
+        } else {
+            f64::INFINITY
+        }
     }
 
     pub fn load_is_cheaper(&self, block_size: u32) -> bool {

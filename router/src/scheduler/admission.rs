@@ -86,10 +86,7 @@ pub fn admit_chunked(
     step_tokens: u32,
     alone_ok: bool,
 ) -> Admission {
-    let per_step = Budget {
-        max_batch_prefill_tokens: step_tokens.min(budget.max_batch_prefill_tokens),
-        ..*budget
-    };
+    let per_step = Budget { max_batch_prefill_tokens: step_tokens.min(budget.max_batch_prefill_tokens), ..*budget };
     let whole = admit(&per_step, running, candidates);
     let Some(next) = candidates.get(whole) else {
         return Admission { whole, partial: None };
@@ -161,20 +158,11 @@ mod tests {
     }
 
     fn cand(prefill: u32, blocks: u32) -> Candidate {
-        Candidate {
-            sequences: 1,
-            prefill_tokens: prefill,
-            tokens: prefill as u64,
-            new_blocks: blocks,
-            chunkable: true,
-        }
+        Candidate { sequences: 1, prefill_tokens: prefill, tokens: prefill as u64, new_blocks: blocks, chunkable: true }
     }
 
     fn idle(blocks: u32) -> Running {
-        Running {
-            available_blocks: blocks,
-            ..Running::default()
-        }
+        Running { available_blocks: blocks, ..Running::default() }
     }
 
     #[test]

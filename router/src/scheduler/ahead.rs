@@ -69,7 +69,14 @@ pub fn plan_ahead(st: &mut State, inflight: &StepPlan) -> Option<StepPlan> {
             max_proposals: 0,
         });
         s.sent_blocks = ids.len();
-        plan.planned.push(Planned { id: s.id, num_computed, num_tokens: 1, samples: true, max_proposals: 0, prompt: false });
+        plan.planned.push(Planned {
+            id: s.id,
+            num_computed,
+            num_tokens: 1,
+            samples: true,
+            max_proposals: 0,
+            prompt: false,
+        });
     }
     if plan.planned.is_empty() {
         return None;
@@ -98,4 +105,3 @@ fn pipelinable(st: &State, inflight: &StepPlan) -> bool {
         // Every running sequence decodes in the step in flight (none waits for a prompt chunk).
         && st.running.iter().all(|s| inflight.planned.iter().any(|p| p.id == s.id))
 }
-

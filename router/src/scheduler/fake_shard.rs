@@ -88,14 +88,17 @@ impl FakeShard {
             assert!(seen.insert(r.id), "request {} scheduled twice in one step", r.id);
             if let Some(n) = &r.new_request {
                 let stop = n.stopping_parameters.clone().unwrap_or_default();
-                self.reqs.insert(r.id, Req {
-                    tokens: n.input_ids.clone(),
-                    computed: r.num_computed,
-                    table: Vec::new(),
-                    max_new: stop.max_new_tokens,
-                    generated: 0,
-                    ignore_eos: stop.ignore_eos_token,
-                });
+                self.reqs.insert(
+                    r.id,
+                    Req {
+                        tokens: n.input_ids.clone(),
+                        computed: r.num_computed,
+                        table: Vec::new(),
+                        max_new: stop.max_new_tokens,
+                        generated: 0,
+                        ignore_eos: stop.ignore_eos_token,
+                    },
+                );
             }
         }
         // Writes first (every layer writes all packed tokens before any
@@ -117,7 +120,11 @@ impl FakeShard {
             let decode = end as usize == q.tokens.len() && r.max_proposals > 0;
             let props = if decode { r.max_proposals.min(q.max_new.saturating_sub(q.generated + 1)) } else { 0 };
             let need = if decode { end + r.max_proposals } else { end };
-            assert!(need as usize <= q.table.len() * self.block_size as usize, "request {}: block table too short", r.id);
+            assert!(
+                need as usize <= q.table.len() * self.block_size as usize,
+                "request {}: block table too short",
+                r.id
+            );
             let table = q.table.clone();
             let tokens = q.tokens.clone();
             let mut ctx = tokens[..end as usize].to_vec();
@@ -188,7 +195,13 @@ impl FakeShard {
                 ..Default::default()
             });
         }
-        pb::StepResponse { generations, forward_ns: 1, total_ns: 1, kv_failed_loads: failed_loads, ..Default::default() }
+        pb::StepResponse {
+            generations,
+            forward_ns: 1,
+            total_ns: 1,
+            kv_failed_loads: failed_loads,
+            ..Default::default()
+        }
     }
 
     /// Saves (before anything of this step writes), loads, deletes; returns the failed loads.

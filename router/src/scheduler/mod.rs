@@ -6,31 +6,32 @@
 //! (tests.rs); the scheduler deals in token ids only.
 
 pub mod admission;
+mod ahead;
+#[cfg(test)]
+mod fake_shard;
 mod order;
 pub mod plan;
 mod priority_preempt;
-mod ahead;
+mod prompts;
 mod recover;
 mod run;
 pub mod sequence;
 pub mod state;
 mod tenant;
-pub mod too_large;
-pub mod update;
-#[cfg(test)]
-mod fake_shard;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tests_ahead;
 #[cfg(test)]
 mod tests_priority;
 #[cfg(test)]
 mod tests_priority_preempt;
 #[cfg(test)]
-mod tests_tier;
-#[cfg(test)]
 mod tests_requeue;
 #[cfg(test)]
-mod tests_ahead;
+mod tests_tier;
+pub mod too_large;
+pub mod update;
 
 pub use ahead::AHEAD_FROM_SEQUENCES;
 pub use plan::{schedule, StepPlan};

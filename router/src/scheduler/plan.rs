@@ -8,15 +8,12 @@
 //! is either a prefill (whole prompts under `max_batch_prefill_tokens`, or
 //! chunks of `prefill_chunk_tokens`) or a decode, alternating.
 
-use std::collections::VecDeque;
 use std::time::Instant;
 
-use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
+use super::priority_preempt::preempt_for_priority;
+use super::prompts::schedule_prompts;
 use super::sequence::Sequence;
 use super::state::State;
-use super::priority_preempt::preempt_for_priority;
-use super::tenant::hold_back_capped;
-use super::order::{order_queue, units};
 use super::too_large::{reject_never_admissible, too_large};
 use crate::error::RouterError;
 use crate::proto::pb;
@@ -80,7 +77,7 @@ impl StepPlan {
         self.planned.iter().any(|p| !p.prompt)
     }
 
-    fn push(&mut self, s: &mut Sequence, num_tokens: u32, max_proposals: u32, prompt: bool) {
+    pub(super) fn push(&mut self, s: &mut Sequence, num_tokens: u32, max_proposals: u32, prompt: bool) {
         let ids = s.blocks.as_ref().map_or(&[][..], |b| b.ids());
         let from = if s.on_shard { s.sent_blocks.min(ids.len()) } else { 0 };
         let new_request = (!s.on_shard).then(|| s.new_request());
@@ -240,166 +237,4 @@ pub(super) fn preempt(st: &mut State, s: Sequence) -> Sequence {
     s.sent_blocks = 0;
     s.prefilled = false;
     s
-}
-
-/// Prompt work: chunks of prompts under way, then admissions from the
-/// queue. `step_tokens`: prompt tokens this step may compute (None: whole
-/// prompts under `max_batch_prefill_tokens`).
-fn schedule_prompts(st: &mut State, plan: &mut StepPlan, step_tokens: Option<u32>, now: Instant) {
-    let mut left = step_tokens;
-    let mut any_prompt = false;
-    for s in st.running.iter_mut().filter(|s| !s.prefilled) {
-        let pending = s.pending();
-        let n = left.map_or(pending, |l| l.min(pending));
-        if n == 0 {
-            return;
-        }
-        plan.push(s, n, 0, true);
-        any_prompt = true;
-        if let Some(l) = left.as_mut() {
-            *l -= n;
-        }
-    }
-    if left == Some(0) || st.queue.is_empty() {
-        return;
-    }
-    admit_from_queue(st, plan, left, !any_prompt, now);
-}
-
-fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alone_ok: bool, now: Instant) {
-    order_queue(st, now);
-    let mut units = units(&st.queue);
-    let mut eligible = units.len();
-    if let Some(cap) = st.config.max_running_per_tenant {
-        (units, eligible) = hold_back_capped(&mut st.queue, &st.running, &units, cap);
-    }
-    let candidates: Vec<Candidate> = units[..eligible].iter().map(|u| candidate(st, u)).collect();
-    let running = Running {
-        sequences: st.running.len() as u32,
-        tokens: st.running.iter().map(|s| s.len() as u64).sum(),
-        available_blocks: st.kv.available(),
-    };
-    let budget = growth_budget(st);
-    let Admission { whole, partial } = match left {
-        Some(l) => admit_chunked(&budget, running, &candidates, l, alone_ok),
-        None => Admission { whole: admit(&budget, running, &candidates), partial: None },
-    };
-    let take = if whole == 0 { 0 } else { units[whole - 1].end } + partial.is_some() as usize;
-    let bs = st.kv.block_size();
-    let first_new = st.running.len();
-    let mut taken: VecDeque<Sequence> = st.queue.drain(..take).collect();
-    while let Some(mut s) = taken.pop_front() {
-        let len = s.len();
-        let mut blocks = st.kv.acquire_prefix(&s.tokens);
-        // Prompts admitted in this same step that share a longer prefix
-        // (forks of `n`/`best_of`, a common system prompt arriving at once)
-        // share the earlier one's blocks, as far as that one computes them
-        // in this step: the shard writes them before anyone reads.
-        let limit = fork_shared_blocks(len, bs);
-        let caching = st.kv.prefix_caching();
-        let planned_end = |id: u64| plan.planned.iter().find(|p| p.id == id).map_or(0, |p| p.num_computed + p.num_tokens);
-        let best = st.running[first_new..]
-            .iter()
-            // Without prefix caching only forks of one request share.
-            .filter(|a| caching || (s.group.is_some() && a.group == s.group))
-            .map(|a| {
-                let m = common_blocks(&a.tokens, &s.tokens, bs).min(limit).min(planned_end(a.id) / bs);
-                (m, a)
-            })
-            .max_by_key(|(m, _)| *m);
-        if let Some((m, a)) = best {
-            if m > blocks.len() {
-                if let Some(b) = a.blocks.as_ref() {
-                    blocks = b.share_prefix(m);
-                }
-            }
-        }
-        let cache_len = blocks.len() * bs;
-        if !blocks.ensure_capacity(len) {
-            // Admission estimates are conservative; should one still fall
-            // short, the rest waits for the next step rather than failing.
-            drop(blocks);
-            taken.push_front(s);
-            while let Some(s) = taken.pop_back() {
-                st.queue.push_front(s);
-            }
-            break;
-        }
-        s.blocks = Some(blocks);
-        s.num_computed = cache_len;
-        st.admissions += 1;
-        s.admitted_at = st.admissions;
-        s.started_at = now;
-        // The chunked candidate is the last one taken; it starts with what
-        // is left of this step's budget.
-        let n = match partial {
-            Some(tokens) if taken.is_empty() => tokens.min(len - cache_len),
-            _ => len - cache_len,
-        };
-        plan.prefix_hit_tokens += cache_len as u64;
-        let first = cache_len / bs;
-        let keys = st.kv.tier_hits(&s.tokens, first as usize);
-        if !keys.is_empty() {
-            let ids = s.blocks.as_ref().map_or(&[][..], |b| b.ids());
-            for (i, key) in keys.iter().enumerate() {
-                let block_id = ids[first as usize + i];
-                plan.request.kv_loads.push(pb::KvLoad { key: key.clone(), block_id });
-            }
-            plan.tier_hit_tokens += keys.len() as u64 * bs as u64;
-            plan.loading.push(Loading { id: s.id, first_block: first, keys });
-            st.running.push(s);
-            continue;
-        }
-        plan.push(&mut s, n, 0, true);
-        st.running.push(s);
-    }
-}
-
-/// The budget with room for the running batch to grow: on top of the
-/// watermark, one block per running sequence, which is what the batch
-/// takes over the next `block_size` decode steps. Without it admission
-/// packs the pool to the brim and a newcomer is preempted (and its prompt
-/// recomputed) within a few steps, over and over.
-pub(super) fn growth_budget(st: &State) -> Budget {
-    budget_with_running(st, st.running.len())
-}
-
-/// The growth budget as it is with `running` sequences in the batch.
-pub(super) fn budget_with_running(st: &State, running: usize) -> Budget {
-    let per_step = 1 + st.config.speculate;
-    let growth = running as u32 * per_step;
-    let mut budget = st.config.budget;
-    budget.watermark_blocks = budget.watermark_blocks.saturating_add(growth);
-    budget
-}
-
-pub(super) fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate {
-    let bs = st.kv.block_size();
-    let leader = &st.queue[unit.start];
-    let len = leader.len();
-    let blocks = st.kv.blocks_for(len);
-    let cached = st.kv.peek_prefix(&leader.tokens).min(blocks);
-    let forks = unit.len() as u32 - 1;
-    let shared = fork_shared_blocks(len, bs);
-    Candidate {
-        chunkable: forks == 0 && leader.chunkable(),
-        sequences: unit.len() as u32,
-        prefill_tokens: (len - cached * bs) + forks * (len - shared * bs),
-        tokens: len as u64 * unit.len() as u64,
-        // Taking a cached prefix can use up reclaimable blocks too, so the
-        // cached part counts against availability as well.
-        new_blocks: blocks + forks * (blocks - shared),
-    }
-}
-
-/// Full prompt blocks a fork shares with its leader: at least one token is
-/// left for the fork to compute, since its first token is sampled from it.
-fn fork_shared_blocks(len: u32, block_size: u32) -> u32 {
-    len.saturating_sub(1) / block_size
-}
-
-/// Number of leading full blocks two token sequences have in common.
-fn common_blocks(a: &[u32], b: &[u32], block_size: u32) -> u32 {
-    let same = a.iter().zip(b).take_while(|(x, y)| x == y).count() as u32;
-    same / block_size
 }

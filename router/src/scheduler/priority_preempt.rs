@@ -16,7 +16,8 @@ use std::time::Instant;
 
 use super::admission::{fits_resources, Running};
 use super::order::{order_queue, units};
-use super::plan::{budget_with_running, candidate, growth_budget, preempt};
+use super::plan::preempt;
+use super::prompts::{budget_with_running, candidate, growth_budget};
 use super::sequence::Sequence;
 use super::state::State;
 
@@ -33,7 +34,9 @@ pub fn preempt_for_priority(st: &mut State, now: Instant) -> Vec<Sequence> {
     let aging = st.config.priority_aging;
     let head = st.queue[unit.start].effective_priority(now, aging);
     let head_static = st.queue[unit.start].priority();
-    if let (Some(cap), Some(tenant)) = (st.config.max_running_per_tenant, st.queue[unit.start].request.tenant.as_deref()) {
+    if let (Some(cap), Some(tenant)) =
+        (st.config.max_running_per_tenant, st.queue[unit.start].request.tenant.as_deref())
+    {
         // Held back by its tenant's cap, not by the others.
         let own = st.running.iter().filter(|s| s.request.tenant.as_deref() == Some(tenant)).count() as u32;
         if own > 0 && own + unit.len() as u32 > cap {

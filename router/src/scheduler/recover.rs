@@ -110,7 +110,10 @@ impl Scheduler {
         let mut out = Vec::new();
         while let Ok(a) = self.rx.try_recv() {
             let tokens = a.tokens();
-            let _ = self.stats.pending_tokens.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| Some(p.saturating_sub(tokens)));
+            let _ = self
+                .stats
+                .pending_tokens
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| Some(p.saturating_sub(tokens)));
             match a {
                 Arrival::New(e) => {
                     let tx = e.response_tx.clone();

@@ -6,10 +6,10 @@
 //! its shards answer again.
 
 use std::collections::HashMap;
-use std::sync::atomic::Ordering;
-use std::sync::Arc;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::task::Poll;
 use std::time::Instant;
 
@@ -82,7 +82,18 @@ impl Scheduler {
         warmup: pb::WarmupRequest,
     ) -> Self {
         let (kv, stats) = placer.group(index);
-        Self { client, state: State::new(config, kv), rx, streams: HashMap::new(), router, placer, index, stats, warmup, step_id: 0 }
+        Self {
+            client,
+            state: State::new(config, kv),
+            rx,
+            streams: HashMap::new(),
+            router,
+            placer,
+            index,
+            stats,
+            warmup,
+            step_id: 0,
+        }
     }
 
     pub async fn run(mut self) {
@@ -208,7 +219,10 @@ impl Scheduler {
 
     pub(super) fn enqueue(&mut self, arrival: Arrival) {
         let tokens = arrival.tokens();
-        let _ = self.stats.pending_tokens.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| Some(p.saturating_sub(tokens)));
+        let _ = self
+            .stats
+            .pending_tokens
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |p| Some(p.saturating_sub(tokens)));
         match arrival {
             Arrival::New(entry) => {
                 self.streams.insert(entry.id, entry.response_tx.clone());
@@ -350,8 +364,11 @@ impl Scheduler {
 /// has no group list: unit tests).
 fn publish_totals(st: &RouterState, only: &GroupStats) {
     let one = [only];
-    let groups: Vec<&GroupStats> = if st.groups.is_empty() { one.to_vec() } else { st.groups.iter().map(|g| &**g).collect() };
-    let sum = |f: fn(&GroupStats) -> &std::sync::atomic::AtomicU64| groups.iter().map(|g| RouterState::get(f(g))).sum::<u64>();
+    let groups: Vec<&GroupStats> =
+        if st.groups.is_empty() { one.to_vec() } else { st.groups.iter().map(|g| &**g).collect() };
+    let sum = |f: fn(&GroupStats) -> &std::sync::atomic::AtomicU64| {
+        groups.iter().map(|g| RouterState::get(f(g))).sum::<u64>()
+    };
     RouterState::set(&st.queue_size, sum(|g| &g.queue_size));
     RouterState::set(&st.batch_size, sum(|g| &g.batch_size));
     RouterState::set(&st.kv_blocks_total, sum(|g| &g.kv_blocks_total));
@@ -372,8 +389,8 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
-    use crate::scheduler::admission::Budget;
     use crate::kv::KvManager;
+    use crate::scheduler::admission::Budget;
     use crate::scheduler::AdmissionOrder;
 
     fn config() -> SchedulerConfig {
@@ -412,7 +429,15 @@ mod tests {
         let (tx, rx) = mpsc::unbounded_channel();
         let kv = KvManager::new(8, 4, true);
         let placer = Arc::new(Placer::single(tx.clone(), kv, &router));
-        let sched = Scheduler::new(ShardedClient::disconnected(), config(), rx, placer.clone(), 0, router.clone(), Default::default());
+        let sched = Scheduler::new(
+            ShardedClient::disconnected(),
+            config(),
+            rx,
+            placer.clone(),
+            0,
+            router.clone(),
+            Default::default(),
+        );
         let task = tokio::spawn(sched.run());
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(router.scheduler_alive.load(Ordering::SeqCst));

@@ -414,7 +414,8 @@ fn a_sample_on_a_prompt_chunk_is_malformed() {
 #[test]
 fn a_shard_error_for_one_request_ends_it_as_a_validation_error() {
     let (st, _, out) = corrupted_step(|r| {
-        r.generations[2] = pb::Generation { request_id: 2, error: "grammar does not compile".into(), ..Default::default() };
+        r.generations[2] =
+            pb::Generation { request_id: 2, error: "grammar does not compile".into(), ..Default::default() };
     });
     assert_eq!(out.errors[&2].error_type(), "validation");
     assert!(!st.finished.contains(&2), "the shard dropped it itself");

@@ -101,15 +101,23 @@ fn steps_go_ahead_only_from_the_configured_batch() {
         // Every step sent ahead followed a step of at least `from` sequences.
         let mut sizes = shard.steps.iter().map(|s| s.requests.len());
         let mut prev = sizes.next().unwrap_or(0);
-        let eligible = sizes.filter(|&n| { let ok = prev >= from.max(1) as usize && n > 0; prev = n; ok }).count();
+        let eligible = sizes
+            .filter(|&n| {
+                let ok = prev >= from.max(1) as usize && n > 0;
+                prev = n;
+                ok
+            })
+            .count();
         assert!(pipelined <= eligible, "from {from}: {pipelined} ahead, {eligible} steps after a big enough one");
         pipelined_from.push(pipelined);
         assert_no_leak(&st);
     }
     assert_eq!(pipelined_from[0], 0, "0 means never");
     assert_eq!(pipelined_from[4], 0, "no step ever had 4 sequences");
-    assert!(pipelined_from[1] > pipelined_from[2] && pipelined_from[2] > pipelined_from[3] && pipelined_from[3] > 0,
-            "{pipelined_from:?}");
+    assert!(
+        pipelined_from[1] > pipelined_from[2] && pipelined_from[2] > pipelined_from[3] && pipelined_from[3] > 0,
+        "{pipelined_from:?}"
+    );
 }
 
 #[test]

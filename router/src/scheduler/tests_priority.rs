@@ -8,7 +8,7 @@ use proptest::prelude::*;
 use super::fake_shard::FakeShard;
 use super::plan::schedule;
 use super::state::State;
-use super::tests::{collect, config, drive, entry, expected, prompt, request, setup, assert_no_leak, Outcome};
+use super::tests::{assert_no_leak, collect, config, drive, entry, expected, prompt, request, setup, Outcome};
 use super::update::update;
 use crate::validation::ValidRequest;
 

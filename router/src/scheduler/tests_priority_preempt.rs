@@ -5,9 +5,9 @@ use std::time::{Duration, Instant};
 
 use proptest::prelude::*;
 
+use super::fake_shard::FakeShard;
 use super::plan::schedule;
 use super::state::State;
-use super::fake_shard::FakeShard;
 use super::tests::{assert_no_leak, collect, config, drive, entry, expected, prompt, request, setup, Outcome};
 use super::update::update;
 use crate::validation::ValidRequest;

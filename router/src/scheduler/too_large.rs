@@ -11,7 +11,8 @@
 
 use super::admission::{Budget, Candidate};
 use super::order::units;
-use super::plan::{candidate, StepPlan};
+use super::plan::StepPlan;
+use super::prompts::candidate;
 use super::state::State;
 use crate::error::RouterError;
 

@@ -15,12 +15,15 @@ use super::scan;
 use super::stream::held_prefix;
 use super::{pythonic, ToolCallParser};
 
-
 #[derive(Debug, Clone, PartialEq)]
 pub enum Item {
     Content(String),
     /// `done`: the arguments are complete.
-    Call { name: String, args: String, done: bool },
+    Call {
+        name: String,
+        args: String,
+        done: bool,
+    },
 }
 
 pub(super) struct Out<'a> {
@@ -84,7 +87,9 @@ fn object(s: &str, out: &Out, closed: bool) -> Obj {
         None if sc.end.is_some() => Obj::Call { name, args: "{}".into(), done: true, end: sc.end },
         None => undecided(),
         Some((start, end)) => match s.as_bytes()[start] {
-            b'{' => Obj::Call { name, args: s[start..end.unwrap_or(s.len())].to_string(), done: end.is_some(), end: sc.end },
+            b'{' => {
+                Obj::Call { name, args: s[start..end.unwrap_or(s.len())].to_string(), done: end.is_some(), end: sc.end }
+            }
             // Arguments written as a JSON string holding the object.
             b'"' => match end {
                 None => undecided(),

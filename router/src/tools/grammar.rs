@@ -80,10 +80,18 @@ mod tests {
         assert!(g.starts_with("start: call (\"\\n\" call)*\n"), "{g}");
         assert!(g.contains("call: \"<tool_call>\" \"\\n\" fn \"\\n\" \"</tool_call>\"\n"), "{g}");
         let ids = lark(ToolCallParser::Hermes, &tools(), true, (Some(5), Some(6)));
-        assert!(ids.contains("call: (\"<tool_call>\" | <[5]>) \"\\n\" fn \"\\n\" (\"</tool_call>\" | <[6]>)\n"), "{ids}");
+        assert!(
+            ids.contains("call: (\"<tool_call>\" | <[5]>) \"\\n\" fn \"\\n\" (\"</tool_call>\" | <[6]>)\n"),
+            "{ids}"
+        );
         assert!(g.contains("fn: fn_0 | fn_1\n"));
         assert!(g.contains(r#"fn_0: %json {"type":"object","properties":{"name":{"const":"get_weather"},"arguments":{"type":"object","properties":{"city""#), "{g}");
-        assert!(g.contains(r#"fn_1: %json {"type":"object","properties":{"name":{"const":"add"},"arguments":{"type":"object"}}"#), "{g}");
+        assert!(
+            g.contains(
+                r#"fn_1: %json {"type":"object","properties":{"name":{"const":"add"},"arguments":{"type":"object"}}"#
+            ),
+            "{g}"
+        );
     }
 
     #[test]

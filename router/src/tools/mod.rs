@@ -119,7 +119,10 @@ pub fn from_flat<'a, T>(
 impl ToolChoice {
     /// The named function `name`.
     pub fn named(name: &str) -> Self {
-        ToolChoice::Named(NamedToolChoice { kind: "function".into(), function: NamedFunction { name: name.to_string() } })
+        ToolChoice::Named(NamedToolChoice {
+            kind: "function".into(),
+            function: NamedFunction { name: name.to_string() },
+        })
     }
 }
 

@@ -23,7 +23,10 @@ pub fn parse(format: ToolCallParser, text: &str, names: &[&str]) -> Parsed {
     match format {
         ToolCallParser::Hermes => hermes(text, names),
         ToolCallParser::Llama3Json => whole_reply(text.trim_start().trim_start_matches(LLAMA_PYTHON_TAG), names)
-            .map_or_else(|| Parsed { content: text.to_string(), calls: vec![] }, |calls| Parsed { content: String::new(), calls }),
+            .map_or_else(
+                || Parsed { content: text.to_string(), calls: vec![] },
+                |calls| Parsed { content: String::new(), calls },
+            ),
         ToolCallParser::Mistral => mistral(text, names),
         ToolCallParser::Pythonic => read_whole(ToolCallParser::Pythonic, text, names),
     }
@@ -156,17 +159,18 @@ mod tests {
         let p = parse(ToolCallParser::Hermes, text, NAMES);
         assert_eq!(p.calls, vec![call("get_weather", r#"{"city":"Paris"}"#), call("add", r#"{"a":1,"b":2}"#)]);
         assert_eq!(p.content, "Let me check.\n");
-        let only = parse(ToolCallParser::Hermes, "<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>", NAMES);
+        let only =
+            parse(ToolCallParser::Hermes, "<tool_call>\n{\"name\": \"add\", \"arguments\": {}}\n</tool_call>", NAMES);
         assert_eq!((only.content.as_str(), only.calls.len()), ("", 1));
     }
 
     #[test]
     fn hermes_malformed_stays_content() {
         for text in [
-            "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1\n</tool_call>",     // broken JSON
-            "<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tool_call>",          // unknown function
-            "<tool_call>\n{\"arguments\": {}}\n</tool_call>",                              // no name
-            "<tool_call>\n{\"name\": \"add\", \"arguments\": [1]}\n</tool_call>",          // arguments not an object
+            "<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1\n</tool_call>", // broken JSON
+            "<tool_call>\n{\"name\": \"rm_rf\", \"arguments\": {}}\n</tool_call>",     // unknown function
+            "<tool_call>\n{\"arguments\": {}}\n</tool_call>",                          // no name
+            "<tool_call>\n{\"name\": \"add\", \"arguments\": [1]}\n</tool_call>",      // arguments not an object
             "Just text, no calls.",
         ] {
             let p = parse(ToolCallParser::Hermes, text, NAMES);
@@ -192,7 +196,8 @@ mod tests {
         assert_eq!(p.content, "");
         let two = r#"<|python_tag|>{"name": "add", "parameters": {"a": 1}}; {"name": "add", "parameters": {"a": 2}}"#;
         assert_eq!(parse(ToolCallParser::Llama3Json, two, NAMES).calls.len(), 2);
-        for text in ["The weather is nice.", r#"{"name": "add", "parameters": {"a": 1}} and more"#, r#"{"name": "add""#] {
+        for text in ["The weather is nice.", r#"{"name": "add", "parameters": {"a": 1}} and more"#, r#"{"name": "add""#]
+        {
             let p = parse(ToolCallParser::Llama3Json, text, NAMES);
             assert!(p.calls.is_empty(), "{text}");
             assert_eq!(p.content, text);

@@ -213,8 +213,11 @@ mod tests {
         let Done((name, args), end) = call(s, 0) else { panic!() };
         assert_eq!(name, "get_weather");
         let args: Value = serde_json::from_str(&args).unwrap();
-        assert_eq!(args, json!({"city": "San Francisco", "days": 3, "metric": true, "tags": ["a", "b"],
-            "opts": {"x": null}, "t": -1.5}));
+        assert_eq!(
+            args,
+            json!({"city": "San Francisco", "days": 3, "metric": true, "tags": ["a", "b"],
+            "opts": {"x": null}, "t": -1.5})
+        );
         assert_eq!(&s[end..], "]");
         assert_eq!(call("add()", 0), Done(("add".into(), "{}".into()), 5));
         assert_eq!(call(r#"f(s='it\'s')"#, 0), Done(("f".into(), r#"{"s":"it's"}"#.into()), 12));

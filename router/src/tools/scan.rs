@@ -60,7 +60,11 @@ pub fn value_end(s: &str, i: usize) -> End {
                 j += 1;
             }
             // A literal at the end of the text may go on.
-            if j == b.len() { End::Open } else { End::At(j) }
+            if j == b.len() {
+                End::Open
+            } else {
+                End::At(j)
+            }
         }
         _ => End::Bad,
     }

@@ -13,9 +13,17 @@ use super::ToolCallParser;
 pub enum Piece {
     Content(String),
     /// A call begins; `index` counts the reply's calls from 0.
-    CallStart { index: u32, name: String },
-    CallArgs { index: u32, text: String },
-    CallEnd { index: u32 },
+    CallStart {
+        index: u32,
+        name: String,
+    },
+    CallArgs {
+        index: u32,
+        text: String,
+    },
+    CallEnd {
+        index: u32,
+    },
 }
 
 /// What was sent of each item of the reading.
@@ -35,7 +43,14 @@ pub struct ToolStreamer {
 
 impl ToolStreamer {
     pub fn new(format: ToolCallParser, names: &[&str]) -> Self {
-        Self { format, names: names.iter().map(|s| s.to_string()).collect(), text: String::new(), sent: vec![], calls: 0, cut_off: false }
+        Self {
+            format,
+            names: names.iter().map(|s| s.to_string()).collect(),
+            text: String::new(),
+            sent: vec![],
+            calls: 0,
+            cut_off: false,
+        }
     }
 
     pub fn push(&mut self, delta: &str) -> Vec<Piece> {

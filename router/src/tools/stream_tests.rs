@@ -91,7 +91,8 @@ fn streamed_equals_whole_at_every_split() {
         for step in [1, 2, 3, 7, 1000] {
             let (streamed, _) = stream(format, text, step);
             assert!(
-                streamed.content == whole.content && streamed.calls.len() == whole.calls.len()
+                streamed.content == whole.content
+                    && streamed.calls.len() == whole.calls.len()
                     && (whole.calls.is_empty() || same(&streamed, &whole)),
                 "{format:?} step {step}: {text:?}\nstreamed {streamed:?}\nwhole    {whole:?}"
             );
@@ -110,10 +111,10 @@ fn new_formats_parse_whole() {
     assert_eq!(v11.calls.iter().map(|c| c.name.as_str()).collect::<Vec<_>>(), ["add", "get_weather"]);
     assert_eq!(v11.calls[0].arguments, r#"{"a": 1, "b": [2, 3]}"#);
     for (format, text) in [
-        (ToolCallParser::Pythonic, "[add(a=1"),                        // cut off
-        (ToolCallParser::Pythonic, "[rm(path='/')]"),                  // unknown function
-        (ToolCallParser::Mistral, "[TOOL_CALLS]add[ARGS]{\"a\": 1"),    // cut off
-        (ToolCallParser::Mistral, "[TOOL_CALLS]rm[ARGS]{}"),            // unknown function
+        (ToolCallParser::Pythonic, "[add(a=1"),                      // cut off
+        (ToolCallParser::Pythonic, "[rm(path='/')]"),                // unknown function
+        (ToolCallParser::Mistral, "[TOOL_CALLS]add[ARGS]{\"a\": 1"), // cut off
+        (ToolCallParser::Mistral, "[TOOL_CALLS]rm[ARGS]{}"),         // unknown function
     ] {
         let p = parse(format, text, NAMES);
         assert!(p.calls.is_empty(), "{text}");
@@ -131,7 +132,13 @@ fn arguments_stream_as_they_are_generated() {
     }
     // The name goes out alone, then the arguments in many fragments, each call ended before the next.
     let starts: Vec<_> = pieces.iter().filter(|p| matches!(p, Piece::CallStart { .. })).collect();
-    assert_eq!(starts, [&Piece::CallStart { index: 0, name: "get_weather".into() }, &Piece::CallStart { index: 1, name: "add".into() }]);
+    assert_eq!(
+        starts,
+        [
+            &Piece::CallStart { index: 0, name: "get_weather".into() },
+            &Piece::CallStart { index: 1, name: "add".into() }
+        ]
+    );
     let frags = pieces.iter().filter(|p| matches!(p, Piece::CallArgs { index: 0, .. })).count();
     assert_eq!(frags, r#"{"city": "Paris"}"#.len());
     assert!(s.finish().is_empty() && !s.cut_off());
@@ -154,10 +161,10 @@ fn content_is_held_only_while_it_may_be_a_call() {
     assert_eq!(s.push("m\", "), vec![Piece::Content("<tool_call>{\"name\": \"rm\", ".into())]);
     let mut s = ToolStreamer::new(ToolCallParser::Llama3Json, NAMES);
     assert!(s.push(" {\"name\": \"add\", \"param").is_empty());
-    assert_eq!(s.push("eters\": {\"a"), vec![
-        Piece::CallStart { index: 0, name: "add".into() },
-        Piece::CallArgs { index: 0, text: "{\"a".into() },
-    ]);
+    assert_eq!(
+        s.push("eters\": {\"a"),
+        vec![Piece::CallStart { index: 0, name: "add".into() }, Piece::CallArgs { index: 0, text: "{\"a".into() },]
+    );
 }
 
 /// Cut off inside the arguments (max_tokens): a stream has committed the

@@ -31,7 +31,6 @@ fn text_of(t: &TextOrBlocks, field: &str) -> Result<String, RouterError> {
     }
 }
 
-
 fn messages(req: &MessagesRequest) -> Result<Vec<ChatMessage>, RouterError> {
     let mut out = Vec::new();
     if let Some(system) = &req.system {
@@ -57,14 +56,20 @@ fn messages(req: &MessagesRequest) -> Result<Vec<ChatMessage>, RouterError> {
                 InputBlock::Thinking { .. } => {}
                 InputBlock::ToolUse { id, name, input } => {
                     if m.role != "assistant" {
-                        return Err(invalid(format!("{}: only assistant messages hold tool_use blocks", at("tool_use"))));
+                        return Err(invalid(format!(
+                            "{}: only assistant messages hold tool_use blocks",
+                            at("tool_use")
+                        )));
                     }
                     calls.push(json!({"id": id, "type": "function",
                         "function": {"name": name, "arguments": input.to_string()}}));
                 }
                 InputBlock::ToolResult { tool_use_id, content, is_error } => {
                     if m.role != "user" {
-                        return Err(invalid(format!("{}: only user messages hold tool_result blocks", at("tool_result"))));
+                        return Err(invalid(format!(
+                            "{}: only user messages hold tool_result blocks",
+                            at("tool_result")
+                        )));
                     }
                     let mut result = match content {
                         Some(c) => text_of(c, &format!("messages[{i}].content[{j}].content"))?,
@@ -115,7 +120,11 @@ pub fn to_chat(req: &MessagesRequest) -> Result<ChatCompletionRequest, RouterErr
         return Err(invalid(format!("`temperature` must be in [0, 1], got {t}")));
     }
     let tools = from_flat(req.tools.as_deref(), |t| FlatTool {
-        unserved: t.kind.as_deref().is_some_and(|k| k != "custom").then(|| "only client tools (\"custom\") are served".into()),
+        unserved: t
+            .kind
+            .as_deref()
+            .is_some_and(|k| k != "custom")
+            .then(|| "only client tools (\"custom\") are served".into()),
         name: &t.name,
         description: t.description.as_ref(),
         parameters: Some(&t.input_schema),

@@ -19,8 +19,8 @@ use super::openai::ResponseMeta;
 use super::types::FinishReason;
 use super::AppState;
 use crate::error::{AnthropicErrorBody, RouterError};
-use types::{MessagesRequest, MessagesResponse, MessagesUsage, OutputBlock};
 use crate::http::tenant::Tenant;
+use types::{MessagesRequest, MessagesResponse, MessagesUsage, OutputBlock};
 
 /// Anthropic's tool-use ids look like `toolu_...`; the random part is the call id's.
 pub fn tool_use_id(call_id: &str) -> String {
@@ -37,7 +37,9 @@ fn stop_reason(finish: &FinishReason, made_calls: bool) -> &'static str {
 }
 
 fn error_event(e: &RouterError) -> axum::response::sse::Event {
-    axum::response::sse::Event::default().event("error").data(serde_json::to_string(&e.anthropic_body()).unwrap_or_default())
+    axum::response::sse::Event::default()
+        .event("error")
+        .data(serde_json::to_string(&e.anthropic_body()).unwrap_or_default())
 }
 
 const FRAMING: Framing = Framing { error: error_event, done: false };
@@ -86,9 +88,13 @@ pub async fn messages(
         return Ok(chat_stream::sse(handles, prompt_tokens, Box::new(chunk), None, FRAMING));
     }
 
-    let r = app.infer.generate_n(input, 1, "n").await?.into_iter().next().ok_or_else(|| {
-        RouterError::Generation("no reply".into())
-    })?;
+    let r = app
+        .infer
+        .generate_n(input, 1, "n")
+        .await?
+        .into_iter()
+        .next()
+        .ok_or_else(|| RouterError::Generation("no reply".into()))?;
     let reply = reply::split(plan.as_ref(), think, &r.generated_text.text);
     let mut content = Vec::new();
     if let Some(thinking) = reply.reasoning {

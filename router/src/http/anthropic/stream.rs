@@ -49,8 +49,10 @@ impl MessageEvents {
                 Block::Thinking => json!({"type": "thinking", "thinking": "", "signature": ""}),
                 Block::Text | Block::ToolUse => json!({"type": "text", "text": ""}),
             };
-            out.push(event("content_block_start",
-                json!({"type": "content_block_start", "index": self.next_index, "content_block": start})));
+            out.push(event(
+                "content_block_start",
+                json!({"type": "content_block_start", "index": self.next_index, "content_block": start}),
+            ));
             self.next_index += 1;
             self.open = Some(block);
         }
@@ -58,8 +60,10 @@ impl MessageEvents {
             Block::Thinking => json!({"type": "thinking_delta", "thinking": text}),
             Block::Text | Block::ToolUse => json!({"type": "text_delta", "text": text}),
         };
-        out.push(event("content_block_delta",
-            json!({"type": "content_block_delta", "index": self.next_index - 1, "delta": delta})));
+        out.push(event(
+            "content_block_delta",
+            json!({"type": "content_block_delta", "index": self.next_index - 1, "delta": delta}),
+        ));
     }
 
     /// The events of one step; `end` = (stop reason, output tokens) on the last.
@@ -81,8 +85,11 @@ impl MessageEvents {
                         "content_block": {"type": "tool_use", "id": super::tool_use_id(&id), "name": name, "input": {}}})));
                 }
                 CallDelta::Args { text, .. } if self.open == Some(Block::ToolUse) => {
-                    out.push(event("content_block_delta", json!({"type": "content_block_delta",
-                        "index": self.next_index - 1, "delta": {"type": "input_json_delta", "partial_json": text}})));
+                    out.push(event(
+                        "content_block_delta",
+                        json!({"type": "content_block_delta",
+                        "index": self.next_index - 1, "delta": {"type": "input_json_delta", "partial_json": text}}),
+                    ));
                 }
                 CallDelta::Args { .. } => {}
                 CallDelta::End { .. } => {
@@ -94,9 +101,12 @@ impl MessageEvents {
         }
         if let Some((reason, output_tokens)) = end {
             self.close(&mut out);
-            out.push(event("message_delta", json!({"type": "message_delta",
+            out.push(event(
+                "message_delta",
+                json!({"type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": null},
-                "usage": {"output_tokens": output_tokens}})));
+                "usage": {"output_tokens": output_tokens}}),
+            ));
             out.push(event("message_stop", json!({"type": "message_stop"})));
         }
         out

@@ -65,8 +65,14 @@ pub struct TextBlock {
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(tag = "type", rename_all = "snake_case", deny_unknown_fields)]
 pub enum InputBlock {
-    Text { text: String },
-    ToolUse { id: String, name: String, input: serde_json::Value },
+    Text {
+        text: String,
+    },
+    ToolUse {
+        id: String,
+        name: String,
+        input: serde_json::Value,
+    },
     ToolResult {
         tool_use_id: String,
         #[serde(default)]
@@ -76,7 +82,10 @@ pub enum InputBlock {
         is_error: Option<bool>,
     },
     /// Reasoning of an earlier turn; not shown to the model again, as chat templates drop it.
-    Thinking { thinking: String, signature: Option<String> },
+    Thinking {
+        thinking: String,
+        signature: Option<String>,
+    },
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]

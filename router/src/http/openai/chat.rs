@@ -6,18 +6,19 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::Value as Json_;
 
+use super::prepare::{prepare, PreparedChat};
+use super::reply::{self, CallDelta, StreamSplitter};
 use super::stream::{self, ChoiceEvent, ChoiceMsg};
 use super::types::{
     ChatChoice, ChatChunkChoice, ChatCompletionChunk, ChatCompletionRequest, ChatCompletionResponse, ChatDelta,
-    ChatLogprobs, ChatMessage, ChatResponseMessage, ContentPart, FunctionCallDelta, MessageContent, ToolCallDelta, Usage, ROLES,
+    ChatLogprobs, ChatMessage, ChatResponseMessage, ContentPart, FunctionCallDelta, MessageContent, ToolCallDelta,
+    Usage, ROLES,
 };
-use super::prepare::{prepare, PreparedChat};
-use super::reply::{self, CallDelta, StreamSplitter};
 use super::{logprobs, ResponseMeta};
 use crate::error::{OpenAiErrorBody, RouterError};
 use crate::http::extract::OpenAiJson;
-use crate::http::{headers, AppState};
 use crate::http::tenant::Tenant;
+use crate::http::{headers, AppState};
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())
@@ -133,9 +134,18 @@ pub async fn chat_completions(
             let step = splitter.push(text, generated.is_some());
             let finish = generated.map(|g| {
                 let reason = g.finish_reason.openai();
-                if splitter.calls_finished() { "tool_calls".to_string() } else { reason.to_string() }
+                if splitter.calls_finished() {
+                    "tool_calls".to_string()
+                } else {
+                    reason.to_string()
+                }
             });
-            let choice = |delta: ChatDelta, logprobs, finish_reason| ChatChunkChoice { index: msg.index, delta, logprobs, finish_reason };
+            let choice = |delta: ChatDelta, logprobs, finish_reason| ChatChunkChoice {
+                index: msg.index,
+                delta,
+                logprobs,
+                finish_reason,
+            };
             let delta = |content: Option<String>, tool_calls| ChatDelta {
                 role: "assistant".into(),
                 content,
@@ -145,7 +155,9 @@ pub async fn chat_completions(
             // The step's reasoning and text (with its logprobs), then each call it completed, then the finish.
             let mut choices = Vec::new();
             let reasoning = (!step.reasoning.is_empty()).then_some(step.reasoning);
-            if reasoning.is_some() || !step.content.is_empty() || logprobs.is_some()
+            if reasoning.is_some()
+                || !step.content.is_empty()
+                || logprobs.is_some()
                 || (step.tool_calls.is_empty() && finish.is_none())
             {
                 let content = (reasoning.is_none() || !step.content.is_empty()).then_some(step.content);
@@ -162,7 +174,10 @@ pub async fn chat_completions(
                         function: FunctionCallDelta { name: Some(name), arguments: String::new() },
                     },
                     CallDelta::Args { index, text } => ToolCallDelta {
-                        index, id: None, kind: None, function: FunctionCallDelta { name: None, arguments: text },
+                        index,
+                        id: None,
+                        kind: None,
+                        function: FunctionCallDelta { name: None, arguments: text },
                     },
                     CallDelta::End { .. } => continue,
                 };
@@ -179,8 +194,7 @@ pub async fn chat_completions(
             choices.into_iter().map(|c| stream::chunk_event(&chunk_of(&chunk_meta, vec![c], None))).collect()
         };
         let usage = req.sampling.include_usage().then(|| {
-            Box::new(move |u: Usage| stream::chunk_event(&chunk_of(&meta, vec![], Some(u))))
-                as stream::UsageFn
+            Box::new(move |u: Usage| stream::chunk_event(&chunk_of(&meta, vec![], Some(u)))) as stream::UsageFn
         });
         let handles = handles.into_iter().enumerate().map(|(i, h)| (i as u32, h)).collect();
         return Ok(stream::sse(handles, prompt_tokens, Box::new(chunk), usage, stream::OPENAI));
@@ -201,25 +215,26 @@ pub async fn chat_completions(
             let finish_reason = reply.finish_reason(r.generated_text.finish_reason.openai());
             let content = (!(reply.content.is_empty() && !reply.tool_calls.is_empty())).then_some(reply.content);
             ChatChoice {
-            index: i as u32,
-            message: ChatResponseMessage {
-                role: "assistant".into(),
-                content,
-                reasoning_content: reply.reasoning,
-                tool_calls: reply.tool_calls,
-            },
-            logprobs: want_logprobs.then(|| ChatLogprobs {
-                content: r
-                    .tokens
-                    .iter()
-                    .enumerate()
-                    .filter_map(|(j, t)| {
-                        logprobs::chat(&tokenizer, t, r.top_tokens.get(j).map(Vec::as_slice).unwrap_or_default())
-                    })
-                    .collect(),
-            }),
-            finish_reason,
-        }})
+                index: i as u32,
+                message: ChatResponseMessage {
+                    role: "assistant".into(),
+                    content,
+                    reasoning_content: reply.reasoning,
+                    tool_calls: reply.tool_calls,
+                },
+                logprobs: want_logprobs.then(|| ChatLogprobs {
+                    content: r
+                        .tokens
+                        .iter()
+                        .enumerate()
+                        .filter_map(|(j, t)| {
+                            logprobs::chat(&tokenizer, t, r.top_tokens.get(j).map(Vec::as_slice).unwrap_or_default())
+                        })
+                        .collect(),
+                }),
+                finish_reason,
+            }
+        })
         .collect();
     let body = ChatCompletionResponse {
         id: meta.id,

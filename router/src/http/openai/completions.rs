@@ -11,10 +11,10 @@ use super::types::{CompletionChoice, CompletionRequest, CompletionResponse, Prom
 use super::{logprobs, ResponseMeta};
 use crate::error::{OpenAiErrorBody, RouterError};
 use crate::http::extract::OpenAiJson;
+use crate::http::tenant::Tenant;
 use crate::http::types::PrefillToken;
 use crate::http::{headers, AppState};
 use crate::infer::GenerateInput;
-use crate::http::tenant::Tenant;
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())
@@ -74,9 +74,8 @@ pub async fn completions(
         Some(0) if req.sampling.stream => return Err(invalid("`prompt_logprobs` is not supported with `stream`")),
         Some(0) => true,
         Some(k) => {
-            return Err(invalid(format!(
-                "`prompt_logprobs` must be 0 (the prompt tokens' own logprobs; alternatives are not computed). Given: {k}"
-            )))
+            let why = "the prompt tokens' own logprobs; alternatives are not computed";
+            return Err(invalid(format!("`prompt_logprobs` must be 0 ({why}). Given: {k}")));
         }
     };
     let mut parameters = req.sampling.to_parameters(req.sampling.max_tokens, req.logprobs)?;
@@ -110,17 +109,18 @@ pub async fn completions(
             let text = if token.special { String::new() } else { token.text.clone() };
             let logprobs = want_logprobs
                 .then(|| logprobs::completion(&tokenizer, std::slice::from_ref(token), std::slice::from_ref(top), 0));
-            let choice = CompletionChoice { index: msg.index, text, logprobs, prompt_logprobs: None, finish_reason: finish };
+            let choice =
+                CompletionChoice { index: msg.index, text, logprobs, prompt_logprobs: None, finish_reason: finish };
             vec![stream::chunk_event(&response_of(&chunk_meta, vec![choice], None))]
         };
         let usage = req.sampling.include_usage().then(|| {
-            Box::new(move |u: Usage| stream::chunk_event(&response_of(&meta, vec![], Some(u))))
-                as stream::UsageFn
+            Box::new(move |u: Usage| stream::chunk_event(&response_of(&meta, vec![], Some(u)))) as stream::UsageFn
         });
         return Ok(stream::sse(handles, prompt_tokens, Box::new(chunk), usage, stream::OPENAI));
     }
 
-    let per_prompt = futures::future::try_join_all(prompts.iter().map(|p| app.infer.generate_n(inputs(p), n, "n"))).await?;
+    let per_prompt =
+        futures::future::try_join_all(prompts.iter().map(|p| app.infer.generate_n(inputs(p), n, "n"))).await?;
     let prompt_tokens = per_prompt.iter().filter_map(|rs| rs.first()).map(|r| r.input_length).sum();
     let completion_tokens = per_prompt.iter().flatten().map(|r| r.generated_text.generated_tokens).sum();
     let headers = per_prompt

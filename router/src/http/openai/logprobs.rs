@@ -33,7 +33,8 @@ pub fn chat(tokenizer: &Tokenizer, token: &Token, top: &[Token]) -> Option<ChatL
 /// `offset` is where the first token's text starts in the choice's text
 /// (the prompt's length with `echo`).
 pub fn completion(tokenizer: &Tokenizer, tokens: &[Token], top: &[Vec<Token>], offset: usize) -> CompletionLogprobs {
-    let mut out = CompletionLogprobs { tokens: vec![], token_logprobs: vec![], top_logprobs: vec![], text_offset: vec![] };
+    let mut out =
+        CompletionLogprobs { tokens: vec![], token_logprobs: vec![], top_logprobs: vec![], text_offset: vec![] };
     let mut at = offset;
     for (i, t) in tokens.iter().enumerate().filter(|(_, t)| !t.special) {
         let text = token_text(tokenizer, t.id);
@@ -42,12 +43,8 @@ pub fn completion(tokenizer: &Tokenizer, tokens: &[Token], top: &[Vec<Token>], o
         out.tokens.push(text);
         out.token_logprobs.push(t.logprob);
         let alternatives = top.get(i).map(Vec::as_slice).unwrap_or_default();
-        out.top_logprobs.push(
-            alternatives
-                .iter()
-                .map(|a| (token_text(tokenizer, a.id), serde_json::json!(a.logprob)))
-                .collect(),
-        );
+        out.top_logprobs
+            .push(alternatives.iter().map(|a| (token_text(tokenizer, a.id), serde_json::json!(a.logprob))).collect());
     }
     out
 }

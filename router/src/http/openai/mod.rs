@@ -57,7 +57,11 @@ fn invalid(msg: impl Into<String>) -> RouterError {
 impl SamplingParams {
     /// OpenAI semantics on top of TGI's parameters: sampling by default
     /// (temperature 1), `temperature: 0` is greedy whatever the other knobs say.
-    pub fn to_parameters(&self, max_tokens: Option<i64>, top_n_tokens: Option<u32>) -> Result<GenerateParameters, RouterError> {
+    pub fn to_parameters(
+        &self,
+        max_tokens: Option<i64>,
+        top_n_tokens: Option<u32>,
+    ) -> Result<GenerateParameters, RouterError> {
         if let Some(t) = self.temperature {
             if !t.is_finite() || !(0.0..=2.0).contains(&t) {
                 return Err(invalid(format!("`temperature` must be in [0, 2], got {t}")));

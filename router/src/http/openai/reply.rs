@@ -22,12 +22,20 @@ pub struct Reply {
 impl Reply {
     /// OpenAI's finish reason, given the generation's own.
     pub fn finish_reason(&self, generated: &str) -> String {
-        if self.tool_calls.is_empty() { generated.to_string() } else { "tool_calls".to_string() }
+        if self.tool_calls.is_empty() {
+            generated.to_string()
+        } else {
+            "tool_calls".to_string()
+        }
     }
 }
 
 pub fn tool_call_out(c: ToolCall) -> ToolCallOut {
-    ToolCallOut { id: call_id(), kind: "function".into(), function: FunctionCallOut { name: c.name, arguments: c.arguments } }
+    ToolCallOut {
+        id: call_id(),
+        kind: "function".into(),
+        function: FunctionCallOut { name: c.name, arguments: c.arguments },
+    }
 }
 
 /// Splits a whole reply. `think`: with a reasoning parser, whether the
@@ -157,7 +165,8 @@ mod tests {
     #[test]
     fn one_call_without_parallel_calls() {
         let tools: Vec<Tool> = serde_json::from_value(serde_json::json!([
-            {"type": "function", "function": {"name": "add"}}])).unwrap();
+            {"type": "function", "function": {"name": "add"}}]))
+        .unwrap();
         let plan = ToolPlan::new(ToolCallParser::Hermes, Some(&tools), None, Some(false)).unwrap().unwrap();
         let mut s = StreamSplitter::new(Some(&plan), None);
         let text = "<tool_call>{\"name\": \"add\", \"arguments\": {\"a\": 1}}</tool_call><tool_call>{\"name\": \"add\", \"arguments\": {}}</tool_call>";
@@ -165,7 +174,13 @@ mod tests {
         for (i, c) in text.chars().enumerate() {
             all.extend(s.push(&c.to_string(), i + 1 == text.chars().count()).tool_calls);
         }
-        let ends: Vec<_> = all.iter().filter_map(|d| match d { CallDelta::End { arguments, .. } => Some(arguments.as_str()), _ => None }).collect();
+        let ends: Vec<_> = all
+            .iter()
+            .filter_map(|d| match d {
+                CallDelta::End { arguments, .. } => Some(arguments.as_str()),
+                _ => None,
+            })
+            .collect();
         assert_eq!(ends, [r#"{"a": 1}"#]);
         assert!(all.iter().all(|d| !matches!(d, CallDelta::Start { index: 1, .. })));
         let CallDelta::Start { id, .. } = &all[0] else { panic!("{all:?}") };

@@ -64,10 +64,9 @@ fn choice_stream(index: u32, handle: StreamHandle) -> BoxStream<'static, Result<
                 Some(Ok(InferStreamResponse::Token { token, top_tokens })) => {
                     return Some((Ok(ChoiceMsg { index, event: ChoiceEvent::Token { token, top_tokens } }), Some(h)));
                 }
-                Some(Ok(InferStreamResponse::End { token, top_tokens, generated_text, .. })) => Ok(ChoiceMsg {
-                    index,
-                    event: ChoiceEvent::End { token, top_tokens, generated: generated_text },
-                }),
+                Some(Ok(InferStreamResponse::End { token, top_tokens, generated_text, .. })) => {
+                    Ok(ChoiceMsg { index, event: ChoiceEvent::End { token, top_tokens, generated: generated_text } })
+                }
             };
             // End or error: this choice is over (dropping the handle frees it).
             return Some((item, None));
@@ -103,7 +102,16 @@ pub fn sse(
     framing: Framing,
 ) -> Response {
     let merged = stream::select_all(handles.into_iter().map(|(i, h)| choice_stream(i, h)));
-    let st = State { pending: Default::default(), framing, merged, chunk, usage, prompt_tokens, completion_tokens: 0, phase: Phase::Choices };
+    let st = State {
+        pending: Default::default(),
+        framing,
+        merged,
+        chunk,
+        usage,
+        prompt_tokens,
+        completion_tokens: 0,
+        phase: Phase::Choices,
+    };
     let events = stream::unfold(st, |mut st| async move {
         loop {
             if let Some(e) = st.pending.pop_front() {

@@ -81,9 +81,27 @@ pub struct SamplingParams {
 
 /// Every field `SamplingParams` reads (the shared part of both request bodies).
 pub const SAMPLING_FIELDS: &[&str] = &[
-    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "presence_penalty",
-    "frequency_penalty", "seed", "response_format", "top_k", "min_p", "repetition_penalty", "user", "ignore_eos",
-    "min_tokens", "stop_token_ids", "logit_bias", "priority",
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "presence_penalty",
+    "frequency_penalty",
+    "seed",
+    "response_format",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "user",
+    "ignore_eos",
+    "min_tokens",
+    "stop_token_ids",
+    "logit_bias",
+    "priority",
 ];
 
 /// An OpenAI request body: the fields it accepts, for `OpenAiJson`'s
@@ -98,9 +116,16 @@ impl OpenAiBody for CompletionRequest {
 }
 
 impl OpenAiBody for ChatCompletionRequest {
-    const FIELDS: &'static [&'static str] =
-        &["messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-          "chat_template_kwargs"];
+    const FIELDS: &'static [&'static str] = &[
+        "messages",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "chat_template_kwargs",
+    ];
 }
 
 /// `/v1/completions`' prompt: text, texts, token ids, or lists of token ids
@@ -179,7 +204,13 @@ pub struct ChatMessage {
 impl ChatMessage {
     /// A message of plain text (what the Responses and Messages routes build their history from).
     pub fn text(role: &str, content: String) -> Self {
-        Self { role: role.into(), content: Some(MessageContent::Text(content)), name: None, tool_calls: None, tool_call_id: None }
+        Self {
+            role: role.into(),
+            content: Some(MessageContent::Text(content)),
+            name: None,
+            tool_calls: None,
+            tool_call_id: None,
+        }
     }
 }
 

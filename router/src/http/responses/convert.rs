@@ -13,7 +13,6 @@ fn invalid(m: String) -> RouterError {
     RouterError::Validation(m)
 }
 
-
 fn messages(req: &ResponsesRequest) -> Result<Vec<ChatMessage>, RouterError> {
     let mut out = Vec::new();
     if let Some(i) = &req.instructions {
@@ -67,11 +66,17 @@ fn messages(req: &ResponsesRequest) -> Result<Vec<ChatMessage>, RouterError> {
                             calls.push(call);
                         }
                     }
-                    _ => out.push(ChatMessage { tool_calls: Some(Value::Array(vec![call])), ..ChatMessage::text("assistant", String::new()) }),
+                    _ => out.push(ChatMessage {
+                        tool_calls: Some(Value::Array(vec![call])),
+                        ..ChatMessage::text("assistant", String::new())
+                    }),
                 }
             }
             InputItem::FunctionCallOutput(o) => {
-                out.push(ChatMessage { tool_call_id: Some(o.call_id.clone()), ..ChatMessage::text("tool", o.output.clone()) });
+                out.push(ChatMessage {
+                    tool_call_id: Some(o.call_id.clone()),
+                    ..ChatMessage::text("tool", o.output.clone())
+                });
             }
         }
     }
@@ -150,6 +155,9 @@ mod tests {
     fn stateful_and_unknown_things_are_rejected() {
         assert!(to_chat(&req(json!({"model": "m", "input": "hi", "store": true}))).is_err());
         assert!(to_chat(&req(json!({"model": "m", "input": [{"role": "wizard", "content": "x"}]}))).is_err());
-        assert!(serde_json::from_value::<ResponsesRequest>(json!({"model": "m", "input": "hi", "previous_response_id": "r"})).is_err());
+        assert!(serde_json::from_value::<ResponsesRequest>(
+            json!({"model": "m", "input": "hi", "previous_response_id": "r"})
+        )
+        .is_err());
     }
 }

@@ -55,10 +55,16 @@ impl ResponseEvents {
         let id = self.msg_id();
         let part = json!({"type": "output_text", "text": text, "annotations": []});
         let at = json!({"item_id": id, "output_index": index, "content_index": 0});
-        out.push(self.event("response.output_text.done", json!({"item_id": id, "output_index": index,
-            "content_index": 0, "text": text, "logprobs": []})));
-        out.push(self.event("response.content_part.done", json!({"item_id": at["item_id"], "output_index": index,
-            "content_index": 0, "part": part})));
+        out.push(self.event(
+            "response.output_text.done",
+            json!({"item_id": id, "output_index": index,
+            "content_index": 0, "text": text, "logprobs": []}),
+        ));
+        out.push(self.event(
+            "response.content_part.done",
+            json!({"item_id": at["item_id"], "output_index": index,
+            "content_index": 0, "part": part}),
+        ));
         let item = message_item(&id, &text, "completed");
         out.push(self.event("response.output_item.done", json!({"output_index": index, "item": item})));
         self.obj.output.push(item);
@@ -80,16 +86,24 @@ impl ResponseEvents {
             if self.message.is_none() {
                 let index = self.obj.output.len();
                 let id = self.msg_id();
-                out.push(self.event("response.output_item.added",
-                    json!({"output_index": index, "item": message_item(&id, "", "in_progress")})));
-                out.push(self.event("response.content_part.added", json!({"item_id": id, "output_index": index,
-                    "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}})));
+                out.push(self.event(
+                    "response.output_item.added",
+                    json!({"output_index": index, "item": message_item(&id, "", "in_progress")}),
+                ));
+                out.push(self.event(
+                    "response.content_part.added",
+                    json!({"item_id": id, "output_index": index,
+                    "content_index": 0, "part": {"type": "output_text", "text": "", "annotations": []}}),
+                ));
                 self.message = Some((index, String::new()));
             }
             let id = self.msg_id();
             let index = self.message.as_ref().map_or(0, |m| m.0);
-            out.push(self.event("response.output_text.delta", json!({"item_id": id, "output_index": index,
-                "content_index": 0, "delta": step.content, "logprobs": []})));
+            out.push(self.event(
+                "response.output_text.delta",
+                json!({"item_id": id, "output_index": index,
+                "content_index": 0, "delta": step.content, "logprobs": []}),
+            ));
             if let Some((_, text)) = &mut self.message {
                 text.push_str(&step.content);
             }
@@ -107,14 +121,18 @@ impl ResponseEvents {
                 CallDelta::Args { index, text } => {
                     let Some((_, at, id)) = self.calls.iter().find(|c| c.0 == index) else { continue };
                     let (at, item_id) = (*at, call_item_id(id));
-                    out.push(self.event("response.function_call_arguments.delta",
-                        json!({"item_id": item_id, "output_index": at, "delta": text})));
+                    out.push(self.event(
+                        "response.function_call_arguments.delta",
+                        json!({"item_id": item_id, "output_index": at, "delta": text}),
+                    ));
                 }
                 CallDelta::End { index, id, name, arguments } => {
                     let Some(pos) = self.calls.iter().position(|c| c.0 == index) else { continue };
                     let (_, at, _) = self.calls.remove(pos);
-                    out.push(self.event("response.function_call_arguments.done",
-                        json!({"item_id": call_item_id(&id), "output_index": at, "arguments": arguments})));
+                    out.push(self.event(
+                        "response.function_call_arguments.done",
+                        json!({"item_id": call_item_id(&id), "output_index": at, "arguments": arguments}),
+                    ));
                     let done = call_item(&id, &name, &arguments, "completed");
                     out.push(self.event("response.output_item.done", json!({"output_index": at, "item": done})));
                     self.obj.output.push(done);

@@ -20,8 +20,8 @@ use super::openai::{unix_now, ResponseMeta};
 use super::types::FinishReason;
 use super::AppState;
 use crate::error::{OpenAiErrorBody, RouterError};
-use types::{ResponseObject, ResponsesRequest};
 use crate::http::tenant::Tenant;
+use types::{ResponseObject, ResponsesRequest};
 
 pub fn message_item(id: &str, text: &str, status: &str) -> Value {
     json!({"type": "message", "id": id, "status": status, "role": "assistant",
@@ -69,8 +69,15 @@ fn base(req: &ResponsesRequest, meta: &ResponseMeta) -> ResponseObject {
             Some(types::ToolChoice::Mode(m)) => json!(m),
             Some(types::ToolChoice::Function(f)) => json!({"type": "function", "name": f.name}),
         },
-        tools: req.tools.iter().flatten().map(|t| json!({"type": "function", "name": t.name,
-            "description": t.description, "parameters": t.parameters, "strict": t.strict.unwrap_or(false)})).collect(),
+        tools: req
+            .tools
+            .iter()
+            .flatten()
+            .map(|t| {
+                json!({"type": "function", "name": t.name,
+            "description": t.description, "parameters": t.parameters, "strict": t.strict.unwrap_or(false)})
+            })
+            .collect(),
         metadata: json!(req.metadata.clone().unwrap_or_default()),
         store: false,
         error: None,
@@ -135,9 +142,13 @@ pub async fn responses(
         return Ok(chat_stream::sse(handles, prompt_tokens, Box::new(chunk), None, framing));
     }
 
-    let r = app.infer.generate_n(input, 1, "n").await?.into_iter().next().ok_or_else(|| {
-        RouterError::Generation("no reply".into())
-    })?;
+    let r = app
+        .infer
+        .generate_n(input, 1, "n")
+        .await?
+        .into_iter()
+        .next()
+        .ok_or_else(|| RouterError::Generation("no reply".into()))?;
     let reply = reply::split(plan.as_ref(), think, &r.generated_text.text);
     if let Some(reasoning) = &reply.reasoning {
         obj.output.push(reasoning_item(&format!("rs_{}", meta.id), reasoning));
