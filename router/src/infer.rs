@@ -360,6 +360,12 @@ impl Infer {
         let handles = self.generate_streams(input, n, name).await?;
         futures::future::try_join_all(handles.into_iter().map(StreamHandle::collect)).await
     }
+
+    /// One reply (the Messages and Responses APIs, which have no `n`).
+    pub async fn generate_one(&self, input: GenerateInput) -> Result<InferResponse, RouterError> {
+        let mut replies = self.generate_n(input, 1, "n").await?;
+        replies.pop().ok_or_else(|| RouterError::Generation("no reply".into()))
+    }
 }
 
 #[cfg(test)]

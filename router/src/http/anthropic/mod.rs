@@ -88,13 +88,7 @@ pub async fn messages(
         return Ok(chat_stream::sse(handles, prompt_tokens, Box::new(chunk), None, FRAMING));
     }
 
-    let r = app
-        .infer
-        .generate_n(input, 1, "n")
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| RouterError::Generation("no reply".into()))?;
+    let r = app.infer.generate_one(input).await?;
     let reply = reply::split(plan.as_ref(), think, &r.generated_text.text);
     let mut content = Vec::new();
     if let Some(thinking) = reply.reasoning {

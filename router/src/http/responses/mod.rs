@@ -142,13 +142,7 @@ pub async fn responses(
         return Ok(chat_stream::sse(handles, prompt_tokens, Box::new(chunk), None, framing));
     }
 
-    let r = app
-        .infer
-        .generate_n(input, 1, "n")
-        .await?
-        .into_iter()
-        .next()
-        .ok_or_else(|| RouterError::Generation("no reply".into()))?;
+    let r = app.infer.generate_one(input).await?;
     let reply = reply::split(plan.as_ref(), think, &r.generated_text.text);
     if let Some(reasoning) = &reply.reasoning {
         obj.output.push(reasoning_item(&format!("rs_{}", meta.id), reasoning));
