@@ -13,6 +13,13 @@ python3 -m pip install --no-deps "text-generation==0.7.0"
 # The SDK (integration-tests/test_client_sdk.py), installed as users install it.
 python3 -m pip install ./clients/python
 
+# The router's formatting (rustfmt.toml); skipped with a message where the toolchain has no rustfmt
+# (rustup's minimal profile).
+if cargo fmt --version >/dev/null 2>&1; then
+    cargo fmt --check
+else
+    echo "rustfmt is not installed: the router's format check is skipped"
+fi
 cargo test --locked
 python3 -m pytest tests -q -p no:cacheprovider
 python3 -m pytest integration-tests -q -p no:cacheprovider

@@ -216,3 +216,33 @@ def test_batch1_requests_take_the_chosen_prompt_length(default_model_dir):
     # PromptMaker's text re-encodes to about the asked length (word boundaries may merge tokens).
     assert all(295 <= r.prompt_len <= 300 for r in b1), [r.prompt_len for r in b1]
     assert all(30 <= r.prompt_len <= 40 for r in main)
+
+
+def test_write_gives_the_json_the_table_and_the_plot(tmp_path):
+    """`bench compare`'s outputs from its runs: compare.json, compare.md and compare.png (a real
+    PNG drawn by matplotlib, which the test extra installs), a failed run and all."""
+    import json
+
+    from pagemill.bench.compare import write
+
+    def server(name, tok_s, b1):
+        run = {"summary": _run(tok_s, b1), "machine": {"sum_gbs": 30.0}, "load_before": 0.4}
+        return {"name": name, "precision": "bf16", "command": [name], "env": {}, "runs": [run, run]}
+
+    res = {"started": "2026-12-05 20:00:00 UTC", "command": "pagemill bench compare --runs 2",
+           "cpu": {"model": "Test CPU", "cpus": 2, "flags": ["avx512_bf16", "amx_bf16"], "missing": []},
+           "args": {"num_prompts": 64, "concurrency": 64, "input_min": 32, "input_max": 256, "output_min": 16,
+                    "output_max": 256, "seed": 0, "batch1_prompts": 4, "batch1_input_len": 64,
+                    "batch1_output_len": 128},
+           "throughput_ref": "vllm-bf16", "latency_refs": ["llamacpp-bf16"],
+           "servers": [server("pagemill-bf16", 900.0, 14.0), server("vllm-bf16", 600.0, 27.0),
+                       server("llamacpp-bf16", 50.0, 18.0)]}  # fmt: skip
+    res["servers"][2]["runs"].append({"failed": "TimeoutError: not ready"})
+    write(res, str(tmp_path))
+    saved = json.loads((tmp_path / "compare.json").read_text())
+    assert saved["ratios"]["pagemill-bf16"]["tok_s_vs_vllm-bf16"] == pytest.approx(1.5)
+    assert saved["servers"][2]["summary"]["runs"] == 2  # the failed run is not a figure
+    table = (tmp_path / "compare.md").read_text()
+    assert "| pagemill-bf16 | bf16 | 900.0 |" in table and "Test CPU (2 CPUs): avx512_bf16 amx_bf16" in table
+    png = (tmp_path / "compare.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000

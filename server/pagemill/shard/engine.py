@@ -13,8 +13,6 @@ finished requests. Speculative steps: shard/speculation.py.
 from __future__ import annotations
 
 import logging
-import math
-import os
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -23,19 +21,17 @@ from typing import Sequence
 import grpc
 import torch
 
-from pagemill.attention.backend import select_backend
 from pagemill.attention.kv_dtype import check_kv_dtype, kv_dtype_name, parse_kv_cache_dtype
 from pagemill.config import ShardConfig
 from pagemill.cpu_kernels.rowwise import greedy_kernel
 from pagemill.models.config import ModelConfig, all_layers_window
 from pagemill.models.llama import LlamaForCausalLM
-from pagemill.models.auto_dtype import resolve_dtype
-from pagemill.models.loader import dtype_name, load_model, parse_dtype
+from pagemill.models.loader import dtype_name
 from pagemill.parallel.group import ParallelGroup
 from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMasker
 from pagemill.proto import pb
 from pagemill.sampling.sampler import Sampler
-from pagemill.shard.cuda_graphs import DecodeGraphs, capture_decode_graphs
+from pagemill.shard.cuda_graphs import DecodeGraphs
 from pagemill.shard.errors import ShardError
 from pagemill.shard.generations import Emitted, advance
 from pagemill.shard.prompt_logprobs import prompt_logprobs
@@ -43,9 +39,9 @@ from pagemill.shard.requests import Entry, Limits, RequestState, apply_step, che
 from pagemill.shard.speculation import num_proposals, propose, verify_step
 from pagemill.shard.step_inputs import build_inputs, is_decode_step
 from pagemill.shard.threads import ThreadChoice, thread_counts
-from pagemill.shard.kv_pool import KVPool, resolve_block_size
-from pagemill.shard.kv_tier import TierOptions, TierResult, open_tier, run_ops
-from pagemill.shard.warmup import allocate_pools, cuda_budget, dummy_steps
+from pagemill.shard.kv_pool import KVPool
+from pagemill.shard.kv_tier import TierOptions, TierResult, run_ops
+from pagemill.shard.warmup import run_warmup
 from pagemill.speculative.draft import DraftProposer
 
 log = logging.getLogger(__name__)
@@ -126,42 +122,10 @@ class ModelRunner:
     @classmethod
     def from_shard_config(cls, cfg: ShardConfig, group: ParallelGroup | None = None) -> "ModelRunner":
         """group: the tensor-parallel group of cfg.rank (None: a single unsharded shard)."""
-        group = group or ParallelGroup.single(cfg.device)
-        device = group.device  # with several CUDA ranks: this rank's GPU
-        block_size = resolve_block_size(cfg.block_size, device.type)
-        backend = select_backend(cfg.attention, device, cpu_kernels=cfg.cpu_kernels)
-        dtype, why = resolve_dtype(cfg.dtype, device)
-        log.info("dtype %s (%s)", dtype, why)
-        model, config = load_model(cfg.model_dir, parse_dtype(dtype), device, backend, group,
-                                   cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize, model_impl=cfg.model_impl,
-                                   huge_pages=cfg.huge_pages)  # fmt: skip
-        draft = None
-        if cfg.speculate > 0 and cfg.speculate_method == "draft":
-            if not cfg.draft_model:
-                raise ValueError("--speculate-method draft needs --draft-model DIR")
-            # The draft is small: every rank runs all of it (replicated, no
-            # communication), fed the same inputs and sampler, so proposals agree.
-            d_model, d_config = load_model(cfg.draft_model, parse_dtype(dtype), device, backend,
-                                           cpu_kernels=cfg.cpu_kernels)
-            draft = DraftProposer(d_model, d_config, device, block_size)
-        return cls(
-            model,
-            config,
-            device=device,
-            block_size=block_size,
-            kv_cache_memory=cfg.kv_cache_memory,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            model_id=os.path.basename(os.path.normpath(cfg.model_dir)),
-            model_dir=cfg.model_dir,
-            speculate=cfg.speculate,
-            draft=draft,
-            cuda_graphs=cfg.cuda_graphs,
-            kv_cache_dtype=cfg.kv_cache_dtype,
-            cpu_kernels=cfg.cpu_kernels,
-            kv_offload=TierOptions(cfg.kv_offload_dir, cfg.kv_offload_disk, cfg.kv_offload_memory),
-            adaptive_threads=cfg.adaptive_threads,
-            huge_pages=cfg.huge_pages,
-        )
+        from pagemill.shard.runner_build import runner_kwargs
+
+        model, config, kwargs = runner_kwargs(cfg, group)
+        return cls(model, config, **kwargs)
 
     # --- static facts and liveness -------------------------------------------------
 
@@ -196,44 +160,7 @@ class ModelRunner:
 
     def warmup(self, req) -> "pb.WarmupResponse":
         with self._on_device():
-            return self._warmup(req)
-
-    def _warmup(self, req) -> "pb.WarmupResponse":
-        if req.max_batch_prefill_tokens == 0 or req.max_input_tokens == 0:
-            raise ShardError(
-                grpc.StatusCode.INVALID_ARGUMENT, "max_batch_prefill_tokens and max_input_tokens must be > 0"
-            )
-        self.pool = None  # a second warmup replaces the pool
-        self.requests.clear()  # their KV lived in the pool being replaced
-        self.cuda_graphs = None  # graphs bake in the old pool's address
-        start = time.perf_counter_ns()
-        try:
-            budget = cuda_budget(self, req) if self.device.type == "cuda" else self.kv_cache_memory
-            allocate_pools(self, budget)
-        except ValueError as e:  # the budget holds fewer than 2 blocks
-            self.pool = None
-            raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
-        if self.device.type != "cuda":
-            dummy_steps(self, req)
-        elapsed = time.perf_counter_ns() - start
-        needed = math.ceil(req.max_total_tokens / self.block_size) + 1
-        if self.pool.num_blocks < needed:
-            num_blocks, self.pool = self.pool.num_blocks, None
-            raise ShardError(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"KV pool holds {num_blocks} blocks of {self.block_size} tokens; one request of "
-                f"max_total_tokens={req.max_total_tokens} needs {needed} (scratch block included). "
-                "Give the KV cache more memory or lower max_total_tokens.",
-            )
-        self.cuda_graphs = capture_decode_graphs(self, req)
-        elapsed = time.perf_counter_ns() - start
-        log.info("warmup: %d KV blocks of %d tokens (%s), %.2fs", self.pool.num_blocks, self.block_size,
-                 kv_dtype_name(self.kv_dtype), elapsed / 1e9)  # fmt: skip
-        resp = pb.WarmupResponse(num_blocks=self.pool.num_blocks, block_size=self.block_size, warmup_ns=elapsed)
-        if self.kv_offload.enabled:
-            self.store, info = open_tier(self, req)
-            resp.kv_tier.CopyFrom(info)
-        return resp
+            return run_warmup(self, req)
 
     # --- steps -----------------------------------------------------------------------
 

@@ -1,24 +1,34 @@
-"""Warmup helpers of ModelRunner: KV pool sizing (target and draft) and the dummy steps
-that exercise the largest prefill, the widest decode and verification.
+"""ModelRunner's Warmup (run_warmup) and its helpers: KV pool sizing (target and draft) and the
+dummy steps that exercise the largest prefill, the widest decode and verification.
 
 They take the runner as `self`, being its methods moved out for length.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import grpc
 import torch
 
+from pagemill.attention.kv_dtype import kv_dtype_name
 from pagemill.attention.metadata import make_metadata
+from pagemill.proto import pb
 from pagemill.sampling.params import SamplingParams
+from pagemill.shard.cuda_graphs import capture_decode_graphs
+from pagemill.shard.errors import ShardError
 from pagemill.shard.kv_pool import SCRATCH_BLOCK, KVPool
+from pagemill.shard.kv_tier import open_tier
 from pagemill.speculative.verify import verify
 
 if TYPE_CHECKING:
     from pagemill.shard.engine import ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -110,3 +120,43 @@ def dummy_steps(self: "ModelRunner", req) -> None:
         probs = self.sampler.target_probs(self.sampler.shape(logits, [row] * len(logits)), [row] * len(logits))
         draft_q = probs.view(b, k + 1, -1)[:, :k] if self.draft is not None else None
         verify(self.sampler, probs, [k + 1] * b, [[0] * k] * b, [row] * b, draft_q)
+
+
+def run_warmup(self: "ModelRunner", req) -> "pb.WarmupResponse":
+    """The Warmup RPC: the KV pool from the memory budget, the dummy steps (CPU) or decode graphs
+    (CUDA), the second KV tier. RESOURCE_EXHAUSTED when the pool cannot hold one request of
+    max_total_tokens; a second warmup replaces the pool and forgets every request."""
+    if req.max_batch_prefill_tokens == 0 or req.max_input_tokens == 0:
+        raise ShardError(
+            grpc.StatusCode.INVALID_ARGUMENT, "max_batch_prefill_tokens and max_input_tokens must be > 0"
+        )
+    self.pool = None  # a second warmup replaces the pool
+    self.requests.clear()  # their KV lived in the pool being replaced
+    self.cuda_graphs = None  # graphs bake in the old pool's address
+    start = time.perf_counter_ns()
+    try:
+        budget = cuda_budget(self, req) if self.device.type == "cuda" else self.kv_cache_memory
+        allocate_pools(self, budget)
+    except ValueError as e:  # the budget holds fewer than 2 blocks
+        self.pool = None
+        raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
+    if self.device.type != "cuda":
+        dummy_steps(self, req)
+    needed = math.ceil(req.max_total_tokens / self.block_size) + 1
+    if self.pool.num_blocks < needed:
+        num_blocks, self.pool = self.pool.num_blocks, None
+        raise ShardError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            f"KV pool holds {num_blocks} blocks of {self.block_size} tokens; one request of "
+            f"max_total_tokens={req.max_total_tokens} needs {needed} (scratch block included). "
+            "Give the KV cache more memory or lower max_total_tokens.",
+        )
+    self.cuda_graphs = capture_decode_graphs(self, req)
+    elapsed = time.perf_counter_ns() - start
+    log.info("warmup: %d KV blocks of %d tokens (%s), %.2fs", self.pool.num_blocks, self.block_size,
+             kv_dtype_name(self.kv_dtype), elapsed / 1e9)  # fmt: skip
+    resp = pb.WarmupResponse(num_blocks=self.pool.num_blocks, block_size=self.block_size, warmup_ns=elapsed)
+    if self.kv_offload.enabled:
+        self.store, info = open_tier(self, req)
+        resp.kv_tier.CopyFrom(info)
+    return resp
