@@ -1,7 +1,7 @@
 """Two pagemill builds side by side on `bench compare`'s c=64 workload, bursts alternating.
 
     python benchmarks/paired_burst.py --a /path/to/tree-a --b /path/to/tree-b --rounds 8 \
-        --a-args "--no-schedule-ahead" --json benchmarks/results/NAME/pairs.json
+        --a-args "--no-schedule-ahead" --a-env GOMP_SPINCOUNT=20000 --json benchmarks/results/NAME/pairs.json
 
 Why: one `bench compare` run of a server varies by +-5% on a shared 2-core machine, more
 than most single changes are worth. Here both servers (each `python -m pagemill launch`
@@ -31,10 +31,16 @@ from pagemill.bench.peer_configs import ServerConfig
 PORTS = {"a": 8077, "b": 8078}
 
 
-def server(tree: str, extra: str) -> ServerConfig:
-    """bench compare's pagemill preset (bf16), run from `tree`'s sources."""
+def server(tree: str, extra: str, env: list[str]) -> ServerConfig:
+    """bench compare's pagemill preset (bf16), run from `tree`'s sources; env: KEY=VALUE items
+    added to its environment (the shards inherit it)."""
     config = peer_configs.pagemill(os.path.basename(os.path.abspath(tree)), "bf16", f"--dtype bfloat16 {extra}")
     config.env["PYTHONPATH"] = os.path.join(os.path.abspath(tree), "server")
+    for item in env:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise SystemExit(f"--a-env/--b-env takes KEY=VALUE, got {item!r}")
+        config.env[key] = value
     return config
 
 
@@ -63,6 +69,8 @@ def main() -> None:
     p.add_argument("--b", required=True, help="tree B")
     p.add_argument("--a-args", default="", help="extra `pagemill launch` flags for A")
     p.add_argument("--b-args", default="")
+    p.add_argument("--a-env", action="append", default=[], help="KEY=VALUE in A's environment (repeat)")
+    p.add_argument("--b-env", action="append", default=[])
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--json")
     a = p.parse_args()
@@ -76,7 +84,7 @@ def main() -> None:
     with ExitStack() as stack:
         for k in PORTS:  # each started, ready and warmed up (not counted) before the next
             values = {"python": sys.executable, "port": str(PORTS[k]), "model_dir": model_dir}
-            stack.enter_context(PeerServer(server(getattr(a, k), getattr(a, f"{k}_args")), values,
+            stack.enter_context(PeerServer(server(getattr(a, k), getattr(a, f"{k}_args"), getattr(a, f"{k}_env")), values,
                                            f"/tmp/paired_burst_{k}.log", timeout_s=300))  # fmt: skip
             burst(PORTS[k], 0, tok, warm_first=True)
         for r in range(1, a.rounds + 1):
