@@ -88,6 +88,8 @@ def instrument(runner, timer: Timer) -> None:
     inner.rotary.cos_sin = timer.wrap("rotary", inner.rotary.cos_sin)
     if inner.fused is not None:
         inner.fused = TimedFused(inner.fused, timer)
+    if getattr(inner, "batched", None) is not None:  # bf16 steps above the fused layer's batch
+        inner.batched = TimedFused(inner.batched, timer)
     for layer in inner.layers:  # batches past the fused kernel's: the per-layer modules
         layer.forward = timer.wrap("layers", layer.forward)
     inner.norm.forward = timer.wrap("norm", inner.norm.forward)

@@ -6,8 +6,8 @@
 Why: one `bench compare` run of a server varies by +-5% on a shared 2-core machine, more
 than most single changes are worth. Here both servers (each `python -m pagemill launch`
 from its tree's `server/` directory, bf16, as `bench compare` starts it) stay up, idle but for their own burst, and
-the bursts alternate A, B, B, A, ...: 64 requests at once, prompts 32-256 tokens, outputs
-16-256 (ignore EOS), a new seed each round (so no prefix is cached), the same seed for both
+the bursts alternate A, B, B, A, ...: 64 requests at once (--num-prompts: more, 64 at a time,
+each sent as one ends), prompts 32-256 tokens, outputs 16-256 (ignore EOS), a new seed each round (so no prefix is cached), the same seed for both
 servers of a round. Prints each pair's tok/s and their ratio, and the medians, including
 the mean forward and step time from the router's counters (their difference: the time
 between two forwards).
@@ -44,11 +44,11 @@ def server(tree: str, extra: str, env: list[str]) -> ServerConfig:
     return config
 
 
-def burst(port: int, seed: int, tok, warm_first: bool) -> dict:
+def burst(port: int, seed: int, tok, warm_first: bool, num_prompts: int = 64) -> dict:
     from pagemill.bench.compare import MODEL_NAME, _counters, _step_accounting, measure, workload_requests
     from pagemill.bench.load import LoadConfig, run_load, warm
 
-    a = types.SimpleNamespace(num_prompts=64, input_min=32, input_max=256, output_min=16, output_max=256, seed=seed,
+    a = types.SimpleNamespace(num_prompts=num_prompts, input_min=32, input_max=256, output_min=16, output_max=256, seed=seed,
                               batch1_prompts=4, batch1_input_len=64, batch1_output_len=128, concurrency=64)  # fmt: skip
     main, _, w = workload_requests(a, tok)
     cfg = LoadConfig(base_url=f"http://127.0.0.1:{port}", endpoint="openai", model=MODEL_NAME, max_concurrency=64,
@@ -72,6 +72,8 @@ def main() -> None:
     p.add_argument("--a-env", action="append", default=[], help="KEY=VALUE in A's environment (repeat)")
     p.add_argument("--b-env", action="append", default=[])
     p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--num-prompts", type=int, default=64,
+                   help="requests per burst, 64 at a time (more: a steady stream of arrivals after the first 64)")
     p.add_argument("--json")
     a = p.parse_args()
     from tokenizers import Tokenizer
@@ -89,7 +91,7 @@ def main() -> None:
             burst(PORTS[k], 0, tok, warm_first=True)
         for r in range(1, a.rounds + 1):
             for k in ("a", "b") if r % 2 else ("b", "a"):
-                runs[k].append(burst(PORTS[k], 100 + r, tok, warm_first=False))
+                runs[k].append(burst(PORTS[k], 100 + r, tok, warm_first=False, num_prompts=a.num_prompts))
             ra, rb = runs["a"][-1]["tok_s"], runs["b"][-1]["tok_s"]
             print(f"round {r}: A {ra:.1f}  B {rb:.1f} tok/s  A/B {ra / rb:.3f}", flush=True)
 

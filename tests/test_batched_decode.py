@@ -2,8 +2,9 @@
 
 It runs the module path's functions in one call per layer, so its logits must
 equal the module path's bit for bit: every tiny variant and the default
-model, decode steps across block boundaries, sliding windows, one and two
-threads. Against transformers it is covered by test_bf16_decode's batched
+model, decode steps across block boundaries, steps with prompt chunks (fresh,
+over a cached prefix, and mixed with decode rows), sliding windows, one and
+two threads. Against transformers it is covered by test_bf16_decode's batched
 test (which now takes this path). Skipped where the kernels cannot be built;
 on a CPU without AVX512-BF16 the bf16 linears are oneDNN's and the decoder
 must not be built.
@@ -56,6 +57,40 @@ def compare_steps(model, config, lens: list[int], steps: int, num_blocks: int = 
     return spy.calls
 
 
+def compare_chunk_steps(model, config, lens: list[int], num_blocks: int = 96) -> int:
+    """Steps with prompt chunks, each computed by the module path and then by the batched layer
+    over the same cache, every row's logits equal: the first half of each prompt of `lens`
+    (fresh), then a mixed step (each of those sequences' next token as a one-token row, the
+    second halves over their cached first halves, and a fresh prompt). Returns the batched
+    layer's calls."""
+    batched = model.model.batched
+    spy = Spy(batched)
+    h = PagedHarness(model, config, num_blocks=num_blocks, dtype=torch.bfloat16)
+    full = prompts(config.vocab_size, lens + [max(lens)], seed=3)
+    fresh = {sid: t for sid, t in enumerate(full[:-1])}
+    halves = {sid: t[: max(1, len(t) // 2)] for sid, t in fresh.items()}
+
+    def step(seqs, cache_lens, what):
+        model.model.batched = None
+        ref = h.prefill(seqs, cache_lens)  # writes the step's k/v; the batched step rewrites the same values
+        model.model.batched = spy
+        out = h.prefill(seqs, cache_lens)
+        for sid in seqs:
+            assert torch.equal(out[sid], ref[sid]), f"{what}, seq {sid}: batched differs from the module path"
+        return out
+
+    out = step(halves, {}, "fresh prompts")
+    seqs = {sid: t + [int(out[sid][-1].argmax())] for sid, t in halves.items()}  # decode rows
+    cache_lens = {sid: len(t) - 1 for sid, t in seqs.items()}
+    odd = [sid for sid in fresh if sid % 2]  # these continue their prompts instead
+    for sid in odd:
+        seqs[sid], cache_lens[sid] = fresh[sid], len(halves[sid])
+    seqs[len(fresh)] = full[-1]  # and a new prompt joins
+    step(seqs, cache_lens, "mixed step")
+    model.model.batched = batched
+    return spy.calls
+
+
 @needs_gemm
 @pytest.mark.parametrize("threads", [1, 2])
 def test_batched_equals_module_path(tiny_model, threads):
@@ -67,6 +102,7 @@ def test_batched_equals_module_path(tiny_model, threads):
     try:
         # 7 sequences (above the fused layer's batch), 1..13 tokens: 9 steps cross blocks of 4.
         assert compare_steps(model, config, [6, 1, 9, 4, 13, 2, 5], steps=9) == 9
+        assert compare_chunk_steps(model, config, [6, 1, 9, 4, 13]) == 2
     finally:
         torch.set_num_threads(before)
 
@@ -78,6 +114,7 @@ def test_batched_equals_module_path_with_sliding_windows(llama_dir):
         layer.self_attn.sliding_window = 5 if i == 0 else 3  # windows cutting blocks of 4 mid-block
     model.model.batched = BatchedDecoder.build(model, kernels)
     assert compare_steps(model, config, [12, 3, 7, 1, 9, 20], steps=6) == 6
+    assert compare_chunk_steps(model, config, [12, 3, 17, 9]) == 2
 
 
 @needs_gemm
@@ -86,6 +123,8 @@ def test_batched_equals_module_path_on_default_model(default_model_dir):
     model, config = load(default_model_dir)
     assert model.model.batched is not None
     assert compare_steps(model, config, [21, 5, 40, 3, 17, 9, 33, 1, 12, 8, 27, 2], steps=3, num_blocks=128) == 3
+    # Chunks of 70-150 rows beside one-token rows: the GEMM's prefill walk (over 64 rows).
+    assert compare_chunk_steps(model, config, [140, 5, 150, 33, 97], num_blocks=256) == 2
 
 
 @needs_gemm
@@ -118,7 +157,7 @@ def test_batched_decoder_applies_only_where_it_computes_the_module_path(llama_di
     model.set_backend(TorchAttentionBackend())  # the torch reference's attention: the module path's
     assert not batched.applies(x, meta(), caches)
     model.set_backend(TorchAttentionBackend(kernels))
-    assert not batched.applies(x, meta(is_prefill=True), caches)
+    assert batched.applies(x, meta(is_prefill=True), caches)  # steps with prompt chunks too
     assert not batched.applies(x.float(), meta(), caches)
     assert not batched.applies(x, meta(), [tuple(c.float() for c in caches[0])])
     assert not batched.applies(x, meta(), [tuple(c.to(torch.float8_e4m3fn) for c in caches[0])])
@@ -143,3 +182,13 @@ def test_batched_decoder_rejects_a_slot_outside_the_pool(llama_dir):
                          slot_mapping=[0, 1, 2, 3, 8 * 4, 5], device="cpu")  # fmt: skip
     with pytest.raises(IndexError, match="outside the pool"):
         model(torch.zeros(n, dtype=torch.long), torch.zeros(n, dtype=torch.long), meta, h.pool.kv_caches)
+    # A prompt chunk's row likewise; and a sequence with fewer keys than new rows is refused.
+    chunk = make_metadata(is_prefill=True, query_lens=[3, 1], kv_lens=[3, 2], block_tables=[[1], [2]],
+                          slot_mapping=[4, 5, 8 * 4 + 1, 9], device="cpu")  # fmt: skip
+    with pytest.raises(IndexError, match="outside the pool"):
+        model(torch.zeros(4, dtype=torch.long), torch.zeros(4, dtype=torch.long), chunk, h.pool.kv_caches)
+    short = make_metadata(is_prefill=True, query_lens=[3, 1], kv_lens=[2, 2], block_tables=[[1], [2]],
+                          slot_mapping=[4, 5, 6, 9], device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match="rejected its shapes"):
+        model.model.batched(torch.zeros(4, config.hidden_size, dtype=torch.bfloat16),
+                            *(torch.ones(4, config.head_dim, dtype=torch.bfloat16),) * 2, short, h.pool.kv_caches)

@@ -117,6 +117,11 @@ class DecodeKernels:
         self.batched_bf16.restype = ctypes.c_int
         self.batched_bf16.argtypes = [vp, vp, ctypes.c_int, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp,
                                       i64, i64, ctypes.c_int]  # fmt: skip
+        # The same layer over the rows of prompt chunks (prefill and mixed steps): + cu_seqlens_q, sequences.
+        self.prefill_batched_bf16 = lib.pagemill_prefill_batched_bf16
+        self.prefill_batched_bf16.restype = ctypes.c_int
+        self.prefill_batched_bf16.argtypes = [vp, vp, ctypes.c_int, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp,
+                                              vp, i64, vp, i64, i64, ctypes.c_int]  # fmt: skip
         self.batched_ptrs = int(lib.pagemill_decode_batched_ptrs())
         self.batched_dims = int(lib.pagemill_decode_batched_dims())
         self.attention = lib.pagemill_paged_attention

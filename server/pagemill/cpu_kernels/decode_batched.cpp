@@ -1,23 +1,29 @@
-// One bfloat16 Llama decoder layer for a batch of single-token sequences
-// (5 to a few hundred), in one call: the module path's arithmetic with its
-// linears in gemm_bf16.h's tiles, without its ~10 calls per layer.
+// One bfloat16 Llama decoder layer for a batch of rows in one call: single-token
+// sequences (decode, 5 to a few hundred), or the rows of a step with prompt
+// chunks (prefill, or a mixed step: prompt chunks beside one-token rows). The
+// module path's arithmetic with its linears in gemm_bf16.h's tiles, without
+// its ~10 calls per layer.
 //
 // Why: in a 64-sequence decode step of the default model (~67 ms) the norms,
 // rotary, KV write, SiLU and the Python and dispatch around each of them took
 // ~11 ms (docs/cpu.md): each is a ctypes or aten call of 20-60 us that wakes
 // the OpenMP team for a few microseconds of work. decode.cpp's fused layer
 // already removes them for 1-4 sequences, but with row-by-row dot products
-// that lose to the GEMM's tiles from ~5 rows. Here the layer is one parallel
-// region (attention's span tasks shared by the team between the stages; two
-// regions around attend_batch's own for shapes spans do not take), each stage
-// work-shared and ended by a barrier. The I % 16 == 0 of the SwiGLU epilogue
-// is checked here.
+// that lose to the GEMM's tiles from ~5 rows. A mixed step paid the same:
+// 64 decode rows beside a 16-token prompt chunk took 54 ms on the module path
+// against 39 for the 64 rows alone, and under a steady stream of arrivals
+// most steps are mixed. Here the layer is one parallel region (attention's
+// span tasks shared by the team between the stages; two regions around
+// attend_batch's own for shapes spans do not take, and around the prompt
+// chunks' attention, prefill_attention.h), each stage work-shared and ended
+// by a barrier. The I % 16 == 0 of the SwiGLU epilogue is checked here.
 //
 // Bit for bit the module path (models/llama.py with packed_linear's GEMM and
 // the row kernels): the same bf16 roundings at the same places (bf16 residual
 // stream, bf16 intermediates), the same functions (bf16_row_ops.h, gemm.h's
-// tiles, attend_batch), whose results do not depend on how threads split the
-// work. tests/test_batched_decode.py compares the two exactly.
+// tiles, attend_batch, prefill_batch), whose results do not depend on how
+// threads split the work. tests/test_batched_decode.py compares the two
+// exactly.
 #include <omp.h>
 #include <stdint.h>
 #include <string.h>
@@ -28,6 +34,12 @@
 #include "gemm_bf16.h"
 #include "paged_attention.h"
 #include "vec.h"
+
+extern "C" int pagemill_prefill_attention(const void* q, int q_bf16, int64_t q_stride, const void* k_cache,
+                                          const void* v_cache, const int32_t* block_tables, int64_t width,
+                                          const int32_t* cu_q, const int32_t* kv_lens, void* out, int64_t B,
+                                          int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int64_t window,
+                                          int threads);
 
 namespace {
 
@@ -51,39 +63,33 @@ inline void linear(const bf16* x, int64_t w, int64_t bias, bf16* y, int64_t B, i
 #pragma omp barrier
 }
 
-}  // namespace
-
-extern "C" {
-
-int pagemill_decode_batched_ptrs() { return kNumPtrs; }
-int pagemill_decode_batched_dims() { return kNumDims; }
-
-// x [B, H]: in, the previous layer's MLP output (the embedding for the first layer); out, this
-// layer's. residual [B, H]: the stream x adds to, updated (first != 0: set to x, no add). cos/sin
-// [B, D]. Token b's k/v go to flat slot slots[b] of the pools (num_slots rows) before attention
-// reads its first lens[b] keys (block_tables [B, width]; window > 0: only the last `window`).
-// All tensors bf16 except the int tables. K of every linear must be even (the packed layout).
-// Returns 0; 1 on a bad shape, 2 + b for the first token b whose slot is outside the pool
-// (nothing written).
-int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs,
-                                 const int64_t* dims, float eps, float scale, const bf16* cos, const bf16* sin,
-                                 bf16* k_cache, bf16* v_cache, const int32_t* block_tables, int64_t width,
-                                 const int32_t* lens, const int64_t* slots, int64_t num_slots, int64_t window,
-                                 int threads) {
+// The layer (the extern functions below say what each argument is); cu_q null: B one-token
+// sequences (decode, seqs == B), else rows of prompt chunks (their attention: prefill_attention).
+int layer(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps,
+          float scale, const bf16* cos, const bf16* sin, bf16* k_cache, bf16* v_cache, const int32_t* block_tables,
+          int64_t width, const int32_t* lens, const int32_t* cu_q, int64_t seqs, const int64_t* slots,
+          int64_t num_slots, int64_t window, int threads) {
   const int64_t H = dims[kHidden], nh = dims[kHeads], nkv = dims[kKvHeads], D = dims[kHeadDim];
   const int64_t I = dims[kInter], bs = dims[kBlockSize];
   if (!pagemill::gemm::kDpbf16) return 1;  // the SwiGLU epilogue is AVX512-BF16's
   if (B < 1 || nkv <= 0 || nh % nkv != 0 || D % 2 || H % 2 || I % 16 || (nh * D) % 2) return 1;
-  for (int64_t b = 0; b < B; ++b) {
-    if (lens[b] <= 0) return 1;
-    if (slots[b] < 0 || slots[b] >= num_slots) return 2 + (int)b;
+  if (seqs < 1 || (cu_q ? cu_q[0] != 0 || cu_q[seqs] != B : seqs != B)) return 1;
+  for (int64_t i = 0; i < seqs; ++i) {
+    const int64_t rows = cu_q ? cu_q[i + 1] - cu_q[i] : 1;
+    if (rows < 0 || lens[i] < rows || lens[i] < 1) return 1;
   }
+  for (int64_t b = 0; b < B; ++b)
+    if (slots[b] < 0 || slots[b] >= num_slots) return 2 + (int)b;
   const int64_t nq = nh * D, nk = nkv * D, nqkv = nq + 2 * nk, nqk = nq + nk;
   // Scratch kept between calls (one caller thread: the shard's model runner).
+  // Each part starts on a cache line: the GEMM's tiles load 64-byte rows of them, which
+  // otherwise straddle two lines (a 2044-row prefill step took 1.06x).
   static thread_local std::vector<bf16> buf;
-  buf.resize(B * (H + nqkv + nqk + nq + H + I));
-  bf16 *h = buf.data(), *qkv = h + B * H, *qk = qkv + B * nqkv, *attn = qk + B * nqk, *o = attn + B * nq;
-  bf16* act = o + B * H;
+  const auto lines = [](int64_t n) { return (n + 31) / 32 * 32; };
+  buf.resize(lines(B * H) * 2 + lines(B * nqkv) + lines(B * nqk) + lines(B * nq) + lines(B * I) + 32);
+  bf16* h = (bf16*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
+  bf16 *qkv = h + lines(B * H), *qk = qkv + lines(B * nqkv), *attn = qk + lines(B * nqk), *o = attn + lines(B * nq);
+  bf16* act = o + lines(B * H);
   const bf16 *in_norm = (const bf16*)ptrs[kInNorm], *post_norm = (const bf16*)ptrs[kPostNorm];
   // The linears' shares of the team, adapted layer by layer (team_balance.h says why).
   pagemill::balance::TeamBalance* const balance = pagemill::balance::begin_team(threads);
@@ -118,7 +124,7 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
     linear(act, ptrs[kDownW], ptrs[kDownB], x, B, H, I, balance);
   };
 #if defined(__AVX512F__)
-  if (pagemill::spans_apply<bf16>(D, nh / nkv)) {
+  if (!cu_q && pagemill::spans_apply<bf16>(D, nh / nkv)) {
     // One region: attention's tasks shared by the team between the stages. The spans
     // are cut as attend_batch cuts them (bit for bit the module path), whichever
     // threads then run them.
@@ -140,12 +146,51 @@ int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, 
 #endif
 #pragma omp parallel num_threads(threads)
   before();
-  if (pagemill::attend_batch<bf16, bf16>(qk, nqk, k_cache, v_cache, block_tables, width, lens, attn, B, nh, nkv, D,
-                                         bs, scale, window, threads))
-    return 1;
+  // Prompt chunks: each attends causally to its cache, its own rows (just written) last.
+  const int rc = cu_q ? pagemill_prefill_attention(qk, 1, nqk, k_cache, v_cache, block_tables, width, cu_q, lens,
+                                                   attn, seqs, nh, nkv, D, bs, scale, window, threads)
+                      : pagemill::attend_batch<bf16, bf16>(qk, nqk, k_cache, v_cache, block_tables, width, lens, attn,
+                                                           B, nh, nkv, D, bs, scale, window, threads);
+  if (rc) return 1;
 #pragma omp parallel num_threads(threads)
   after();
   pagemill::balance::end_team(balance);
   return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+int pagemill_decode_batched_ptrs() { return kNumPtrs; }
+int pagemill_decode_batched_dims() { return kNumDims; }
+
+// x [B, H]: in, the previous layer's MLP output (the embedding for the first layer); out, this
+// layer's. residual [B, H]: the stream x adds to, updated (first != 0: set to x, no add). cos/sin
+// [B, D]. Token b's k/v go to flat slot slots[b] of the pools (num_slots rows) before attention
+// reads its first lens[b] keys (block_tables [B, width]; window > 0: only the last `window`).
+// All tensors bf16 except the int tables. K of every linear must be even (the packed layout).
+// Returns 0; 1 on a bad shape, 2 + b for the first token b whose slot is outside the pool
+// (nothing written).
+int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs,
+                                 const int64_t* dims, float eps, float scale, const bf16* cos, const bf16* sin,
+                                 bf16* k_cache, bf16* v_cache, const int32_t* block_tables, int64_t width,
+                                 const int32_t* lens, const int64_t* slots, int64_t num_slots, int64_t window,
+                                 int threads) {
+  return layer(x, residual, first, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
+               nullptr, B, slots, num_slots, window, threads);
+}
+
+// The same layer over the B rows of `seqs` sequences with prompt chunks (a prefill or mixed
+// step): sequence i's rows are cu_q[i]..cu_q[i+1]-1 (cu_q [seqs + 1] int32, cu_q[seqs] == B),
+// lens[i] its keys after the step (its rows' among them, last), block_tables [seqs, width].
+// cos/sin and slots per row. Returns as pagemill_decode_batched_bf16.
+int pagemill_prefill_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs,
+                                  const int64_t* dims, float eps, float scale, const bf16* cos, const bf16* sin,
+                                  bf16* k_cache, bf16* v_cache, const int32_t* block_tables, int64_t width,
+                                  const int32_t* lens, const int32_t* cu_q, int64_t seqs, const int64_t* slots,
+                                  int64_t num_slots, int64_t window, int threads) {
+  return layer(x, residual, first, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
+               cu_q, seqs, slots, num_slots, window, threads);
 }
 }

@@ -142,7 +142,7 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
         self.fused: FusedDecoder | None = None  # set by LlamaForCausalLM.pack_weights where it applies
-        self.batched: BatchedDecoder | None = None  # likewise: bf16 decode steps the fused layer does not take
+        self.batched: BatchedDecoder | None = None  # likewise: other bf16 steps (decode, prompt chunks)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
