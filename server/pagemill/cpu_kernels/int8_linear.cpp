@@ -45,7 +45,7 @@ int pagemill_int8_linear(const void* x, int x_bf16, const int8_t* wq, const floa
   if (rotate < 0 || (rotate > 0 && ((rotate & (rotate - 1)) != 0 || K % rotate != 0))) return 1;
   if (M == 0) return 0;
   const int64_t Kp = (K + 3) / 4 * 4;
-  std::vector<uint8_t> xu((size_t)(M * Kp));
+  pagemill::line_vector<uint8_t> xu((size_t)(M * Kp));  // rows the AMX tiles load
   std::vector<float> x_scale((size_t)M);
   const int64_t elem = x_bf16 ? 2 : 4;
   // Quantizing is O(M K) against the product's O(M N K): parallel only when

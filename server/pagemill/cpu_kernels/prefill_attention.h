@@ -61,7 +61,8 @@ struct PrefillTile {
 
 // Per-thread scratch, reused across tiles.
 struct PrefillScratch {
-  std::vector<float> q, o, s, kb, vf, m, l, corr;
+  line_vector<float> q, o, s, kb, vf;  // (the AMX tiles load rows of q, kb and vf)
+  std::vector<float> m, l, corr;
   std::vector<int64_t> offs;
   std::vector<int32_t> rlo, rhi;  // each row's keys: rlo..rhi-1
 };
