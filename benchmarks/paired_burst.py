@@ -5,12 +5,12 @@
 
 Why: one `bench compare` run of a server varies by +-5% on a shared 2-core machine, more
 than most single changes are worth. Here both servers (each `python -m pagemill launch`
-from its tree's `server/` directory, bf16, as `bench compare` starts it) stay up, idle but for their own burst, and
-the bursts alternate A, B, B, A, ...: 64 requests at once (--num-prompts: more, 64 at a time,
-each sent as one ends), prompts 32-256 tokens, outputs 16-256 (ignore EOS), a new seed each round (so no prefix is cached), the same seed for both
-servers of a round. Prints each pair's tok/s and their ratio, and the medians, including
-the mean forward and step time from the router's counters (their difference: the time
-between two forwards).
+from its tree's `server/` directory, bf16, as `bench compare` starts it) stay up, idle but for
+their own burst, and the bursts alternate A, B, B, A, ...: 64 requests at once (--num-prompts:
+more, 64 at a time, each sent as one ends), prompts 32-256 tokens, outputs 16-256 (ignore EOS),
+a new seed each round (so no prefix is cached), the same seed for both servers of a round.
+Prints each pair's tok/s and their ratio, and the medians, including the mean forward and
+step time from the router's counters (their difference: the time between two forwards).
 """
 
 from __future__ import annotations
@@ -48,8 +48,9 @@ def burst(port: int, seed: int, tok, warm_first: bool, num_prompts: int = 64) ->
     from pagemill.bench.compare import MODEL_NAME, _counters, _step_accounting, measure, workload_requests
     from pagemill.bench.load import LoadConfig, run_load, warm
 
-    a = types.SimpleNamespace(num_prompts=num_prompts, input_min=32, input_max=256, output_min=16, output_max=256, seed=seed,
-                              batch1_prompts=4, batch1_input_len=64, batch1_output_len=128, concurrency=64)  # fmt: skip
+    a = types.SimpleNamespace(num_prompts=num_prompts, input_min=32, input_max=256, output_min=16, output_max=256,
+                              seed=seed, batch1_prompts=4, batch1_input_len=64, batch1_output_len=128,
+                              concurrency=64)  # fmt: skip
     main, _, w = workload_requests(a, tok)
     cfg = LoadConfig(base_url=f"http://127.0.0.1:{port}", endpoint="openai", model=MODEL_NAME, max_concurrency=64,
                      seed=seed, progress=False, keepalive=False)  # fmt: skip
