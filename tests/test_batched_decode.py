@@ -61,8 +61,9 @@ def compare_chunk_steps(model, config, lens: list[int], num_blocks: int = 96) ->
     """Steps with prompt chunks, each computed by the module path and then by the batched layer
     over the same cache, every row's logits equal: the first half of each prompt of `lens`
     (fresh), then a mixed step (each of those sequences' next token as a one-token row, the
-    second halves over their cached first halves, and a fresh prompt). Returns the batched
-    layer's calls."""
+    second halves over their cached first halves, and a fresh prompt), its rows interleaved,
+    then the same step with its one-token rows first, as the router plans them (those attend
+    as a decode step's). Returns the batched layer's calls."""
     batched = model.model.batched
     spy = Spy(batched)
     h = PagedHarness(model, config, num_blocks=num_blocks, dtype=torch.bfloat16)
@@ -87,6 +88,9 @@ def compare_chunk_steps(model, config, lens: list[int], num_blocks: int = 96) ->
         seqs[sid], cache_lens[sid] = fresh[sid], len(halves[sid])
     seqs[len(fresh)] = full[-1]  # and a new prompt joins
     step(seqs, cache_lens, "mixed step")
+    decode_first = sorted(seqs, key=lambda sid: len(seqs[sid]) - cache_lens.get(sid, 0) != 1)
+    assert len(seqs[decode_first[1]]) - cache_lens[decode_first[1]] == 1, "two or more decode rows lead"
+    step({sid: seqs[sid] for sid in decode_first}, cache_lens, "mixed step, decode rows first")
     model.model.batched = batched
     return spy.calls
 
@@ -102,7 +106,7 @@ def test_batched_equals_module_path(tiny_model, threads):
     try:
         # 7 sequences (above the fused layer's batch), 1..13 tokens: 9 steps cross blocks of 4.
         assert compare_steps(model, config, [6, 1, 9, 4, 13, 2, 5], steps=9) == 9
-        assert compare_chunk_steps(model, config, [6, 1, 9, 4, 13]) == 2
+        assert compare_chunk_steps(model, config, [6, 1, 9, 4, 13]) == 3
     finally:
         torch.set_num_threads(before)
 
@@ -114,7 +118,7 @@ def test_batched_equals_module_path_with_sliding_windows(llama_dir):
         layer.self_attn.sliding_window = 5 if i == 0 else 3  # windows cutting blocks of 4 mid-block
     model.model.batched = BatchedDecoder.build(model, kernels)
     assert compare_steps(model, config, [12, 3, 7, 1, 9, 20], steps=6) == 6
-    assert compare_chunk_steps(model, config, [12, 3, 17, 9]) == 2
+    assert compare_chunk_steps(model, config, [12, 3, 17, 9]) == 3
 
 
 @needs_gemm
@@ -124,7 +128,7 @@ def test_batched_equals_module_path_on_default_model(default_model_dir):
     assert model.model.batched is not None
     assert compare_steps(model, config, [21, 5, 40, 3, 17, 9, 33, 1, 12, 8, 27, 2], steps=3, num_blocks=128) == 3
     # Chunks of 70-150 rows beside one-token rows: the GEMM's prefill walk (over 64 rows).
-    assert compare_chunk_steps(model, config, [140, 5, 150, 33, 97], num_blocks=256) == 2
+    assert compare_chunk_steps(model, config, [140, 5, 150, 33, 97], num_blocks=256) == 3
 
 
 @needs_gemm

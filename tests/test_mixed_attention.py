@@ -1,6 +1,7 @@
 """Attention over a mixed step (decode tokens next to prompt chunks): in torch the
 one-token rows go through the batched decode path, the rest through varlen
-prefill; with the compiled kernels the whole step is one prefill_attention call.
+prefill; with the compiled kernels the leading one-token rows (the router plans
+decode rows first) take the decode kernel and the rest one prefill_attention call.
 Every row must equal attending to its own context alone."""
 
 from __future__ import annotations
@@ -29,16 +30,35 @@ def reference(q, keys, values, scale):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kernels", [False, True])
-def test_mixed_step_rows_match_their_own_context(dtype, kernels):
+@pytest.mark.parametrize(
+    "shape",
+    [
+        # (cached, new): decodes, a fresh prompt, a chunk over a cached prefix, more decodes.
+        [(9, 1), (0, 7), (3, 1), (5, 6), (14, 1), (1, 1)],
+        # The router's order: every decode row first, then the chunks.
+        [(9, 1), (3, 1), (14, 1), (1, 1), (0, 7), (5, 6)],
+        # Decode rows only, in a step planned as a prefill.
+        [(9, 1), (3, 1), (14, 1)],
+    ],
+    ids=["interleaved", "decode-first", "decode-only"],
+)
+def test_mixed_step_rows_match_their_own_context(dtype, kernels, shape, monkeypatch):
     if kernels and decode_kernels() is None:
         pytest.skip("no C++ compiler for the CPU kernels")
     torch.manual_seed(0)
     backend = TorchAttentionBackend(decode_kernels() if kernels else None)
+    decoded = []
+    if kernels:  # which rows the decode kernel attends
+        plain = backend.kernels.paged_attention
+
+        def spy(q, *args):
+            decoded.append(q.shape[0])
+            return plain(q, *args)
+
+        monkeypatch.setattr(backend.kernels, "paged_attention", spy)
     num_blocks = 64
     k_cache = torch.zeros(num_blocks, BLOCK, KV_HEADS, DIM, dtype=dtype)
     v_cache = torch.zeros_like(k_cache)
-    # (cached, new): decodes, a fresh prompt, a chunk over a cached prefix, more decodes.
-    shape = [(9, 1), (0, 7), (3, 1), (5, 6), (14, 1), (1, 1)]
     free = iter(range(1, num_blocks))
     tables, slots, contexts = [], [], []
     for cached, new in shape:
@@ -59,8 +79,10 @@ def test_mixed_step_rows_match_their_own_context(dtype, kernels):
     v = torch.cat([vs[c:] for (c, _), (_, vs) in zip(shape, contexts)])
     backend.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     out = backend.prefill(q, k, v, k_cache, v_cache, meta, scale=DIM**-0.5)
-    if kernels:  # every token, prompt chunks included, as one compiled call (prefill_attention.h)
+    if kernels:  # compiled calls only (paged_attention.h, prefill_attention.h)
         assert "singles" not in meta.derived, "the step did not take the compiled path"
+        leading = next((i for i, (_, n) in enumerate(shape) if n != 1), len(shape))
+        assert decoded == ([leading] if leading else []), "the leading one-token rows attend as a decode step"
     else:
         assert meta.derived["singles"] is not None, "the one-token rows did not take the batched path"
     start = 0

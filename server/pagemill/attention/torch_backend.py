@@ -54,10 +54,8 @@ class TorchAttentionBackend:
         if usable and k_cache.dtype == q.dtype and meta.cu_seqlens_q.dtype == torch.int32 \
                 and meta.cu_seqlens_q.is_contiguous():
             # A pool of q's dtype: each sequence's chunk in tiles of tokens x the query heads of a
-            # kv head, each reading the keys once (cpu_kernels/prefill_attention.h); any length,
-            # one-token rows of a mixed step included.
-            return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
-                                                  meta.context_lens, scale, window)  # fmt: skip
+            # kv head, each reading the keys once (cpu_kernels/prefill_attention.h).
+            return self._kernel_chunks(q, k_cache, v_cache, meta, scale, window)
         # Over int8 pools the decode kernel dequantizes as it reads, so chunks over cached blocks
         # never widen the whole prefix.
         if usable and is_int8(k_cache.dtype) and meta.max_seqlen_q <= KERNEL_PREFILL_MAX_ROWS:
@@ -100,6 +98,26 @@ class TorchAttentionBackend:
             start = end
         return out
 
+    def _kernel_chunks(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
+                       window: int | None) -> torch.Tensor:  # fmt: skip
+        """A step's prompt chunks through the compiled kernels. The one-token sequences a mixed
+        step plans first (the running sequences' decode rows) attend as a decode step's do: the
+        decode kernel takes 0.31 against the chunk kernel's 0.35 ms a layer for 64 of them at
+        context ~160 (docs/cpu.md). models/batched_decode.py's layer splits them the same way,
+        so the two paths stay equal bit for bit."""
+        singles = leading_singles(meta.query_lens)
+        if singles == 0:
+            return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                                  meta.context_lens, scale, window)  # fmt: skip
+        decoded = self.kernels.paged_attention(q[:singles], k_cache, v_cache, meta.block_tables[:singles],
+                                               meta.context_lens[:singles], scale, window)  # fmt: skip
+        if singles == len(meta.query_lens):
+            return decoded
+        cu = (meta.cu_seqlens_q[singles:] - singles).to(torch.int32)
+        chunks = self.kernels.prefill_attention(q[singles:], k_cache, v_cache, meta.block_tables[singles:], cu,
+                                                meta.context_lens[singles:], scale, window)  # fmt: skip
+        return torch.cat((decoded, chunks))
+
     def decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                window: int | None = None, softcap: float | None = None) -> torch.Tensor:  # fmt: skip
         """window, softcap: as prefill."""
@@ -132,6 +150,14 @@ class TorchAttentionBackend:
 # decode kernel, one query row per token; longer ones keep SDPA, whose blocked GEMMs reuse
 # each key across many queries (measured: benchmarks/decode_kernels.py, docs/cpu.md).
 KERNEL_PREFILL_MAX_ROWS = 1024
+
+
+def leading_singles(query_lens) -> int:
+    """How many of a step's sequences, from the first, have one new token each."""
+    n = 0
+    while n < len(query_lens) and query_lens[n] == 1:
+        n += 1
+    return n
 
 
 def _single_rows(meta: AttentionMetadata):

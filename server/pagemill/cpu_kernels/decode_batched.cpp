@@ -33,13 +33,8 @@
 #include "bf16_row_ops.h"
 #include "gemm_bf16.h"
 #include "paged_attention.h"
+#include "prefill_attention.h"
 #include "vec.h"
-
-extern "C" int pagemill_prefill_attention(const void* q, int q_bf16, int64_t q_stride, const void* k_cache,
-                                          const void* v_cache, const int32_t* block_tables, int64_t width,
-                                          const int32_t* cu_q, const int32_t* kv_lens, void* out, int64_t B,
-                                          int64_t nh, int64_t nkv, int64_t D, int64_t bs, float scale, int64_t window,
-                                          int threads);
 
 namespace {
 
@@ -64,7 +59,7 @@ inline void linear(const bf16* x, int64_t w, int64_t bias, bf16* y, int64_t B, i
 }
 
 // The layer (the extern functions below say what each argument is); cu_q null: B one-token
-// sequences (decode, seqs == B), else rows of prompt chunks (their attention: prefill_attention).
+// sequences (decode, seqs == B), else the rows of a step with prompt chunks.
 int layer(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps,
           float scale, const bf16* cos, const bf16* sin, bf16* k_cache, bf16* v_cache, const int32_t* block_tables,
           int64_t width, const int32_t* lens, const int32_t* cu_q, int64_t seqs, const int64_t* slots,
@@ -84,10 +79,10 @@ int layer(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs, co
   // Scratch kept between calls (one caller thread: the shard's model runner).
   // Each part starts on a cache line: the GEMM's tiles load 64-byte rows of them, which
   // otherwise straddle two lines (a 2044-row prefill step took 1.06x).
-  static thread_local std::vector<bf16> buf;
+  static thread_local pagemill::line_vector<bf16> buf;
   const auto lines = [](int64_t n) { return (n + 31) / 32 * 32; };
-  buf.resize(lines(B * H) * 2 + lines(B * nqkv) + lines(B * nqk) + lines(B * nq) + lines(B * I) + 32);
-  bf16* h = (bf16*)(((uintptr_t)buf.data() + 63) & ~(uintptr_t)63);
+  buf.resize(lines(B * H) * 2 + lines(B * nqkv) + lines(B * nqk) + lines(B * nq) + lines(B * I));
+  bf16* h = buf.data();
   bf16 *qkv = h + lines(B * H), *qk = qkv + lines(B * nqkv), *attn = qk + lines(B * nqk), *o = attn + lines(B * nq);
   bf16* act = o + lines(B * H);
   const bf16 *in_norm = (const bf16*)ptrs[kInNorm], *post_norm = (const bf16*)ptrs[kPostNorm];
@@ -123,39 +118,57 @@ int layer(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs, co
     linear(h, ptrs[kGateUpW], ptrs[kGateUpB], act, B, 2 * I, H, balance, true);  // silu(gate) * up
     linear(act, ptrs[kDownW], ptrs[kDownB], x, B, H, I, balance);
   };
+  // The prompt chunks of sequences `from`.. (each attends causally to its cache, its own rows,
+  // just written, last); their rows' positions in qk and attn stay absolute (cu_q's).
+  const auto prefill_chunks = [&](int64_t from) {
+    return pagemill::prefill_batch<bf16>(qk, nqk, k_cache, v_cache, block_tables + from * width, width, cu_q + from,
+                                         lens + from, attn, seqs - from, nh, nkv, D, bs, scale, window, threads);
+  };
+  // Sequences of one row attend as a decode step's do: all of a decode step's, and the leading
+  // ones of a mixed step (its decode rows, planned first), whose chunk kernel took 0.35 against
+  // 0.31 ms a layer for 64 such rows at context ~160. The prompt chunks after them attend through
+  // prefill_attention.h. The module path splits them the same way (attention/torch_backend.py).
+  int64_t singles = 0;
+  while (singles < seqs && (!cu_q || cu_q[singles + 1] - cu_q[singles] == 1)) ++singles;
+  const bool chunks = singles < seqs;
 #if defined(__AVX512F__)
-  if (!cu_q && pagemill::spans_apply<bf16>(D, nh / nkv)) {
+  if (singles > 0 && pagemill::spans_apply<bf16>(D, nh / nkv)) {
     // One region: attention's tasks shared by the team between the stages. The spans
     // are cut as attend_batch cuts them (bit for bit the module path), whichever
     // threads then run them.
-    const bool parallel = pagemill::attend_takes_threads(lens, B, nh, D);
-    const pagemill::SpanPlan plan = pagemill::plan_spans(lens, B, nh, D, parallel ? threads : 1);
+    const bool parallel = pagemill::attend_takes_threads(lens, singles, nh, D);
+    const pagemill::SpanPlan plan = pagemill::plan_spans(lens, singles, nh, D, parallel ? threads : 1);
     static thread_local std::vector<float> parts;
     parts.resize(plan.parts_floats());
     float* const parts_data = parts.data();
 #pragma omp parallel num_threads(threads)
     {
       before();
-      pagemill::attend_spans_in_region(qk, nqk, k_cache, v_cache, block_tables, width, lens, attn, B, nh, nkv, D, bs,
-                                       scale, window, plan, parts_data);
+      pagemill::attend_spans_in_region(qk, nqk, k_cache, v_cache, block_tables, width, lens, attn, singles, nh, nkv,
+                                       D, bs, scale, window, plan, parts_data);
+      if (!chunks) after();
+    }
+    const int rc = chunks ? prefill_chunks(singles) : 0;
+    if (chunks && !rc) {
+#pragma omp parallel num_threads(threads)
       after();
     }
     pagemill::balance::end_team(balance);
-    return 0;
+    return rc ? 1 : 0;
   }
 #endif
 #pragma omp parallel num_threads(threads)
   before();
-  // Prompt chunks: each attends causally to its cache, its own rows (just written) last.
-  const int rc = cu_q ? pagemill_prefill_attention(qk, 1, nqk, k_cache, v_cache, block_tables, width, cu_q, lens,
-                                                   attn, seqs, nh, nkv, D, bs, scale, window, threads)
-                      : pagemill::attend_batch<bf16, bf16>(qk, nqk, k_cache, v_cache, block_tables, width, lens, attn,
-                                                           B, nh, nkv, D, bs, scale, window, threads);
-  if (rc) return 1;
+  int rc = singles > 0 ? pagemill::attend_batch<bf16, bf16>(qk, nqk, k_cache, v_cache, block_tables, width, lens,
+                                                            attn, singles, nh, nkv, D, bs, scale, window, threads)
+                       : 0;
+  if (!rc && chunks) rc = prefill_chunks(singles);
+  if (!rc) {
 #pragma omp parallel num_threads(threads)
-  after();
+    after();
+  }
   pagemill::balance::end_team(balance);
-  return 0;
+  return rc ? 1 : 0;
 }
 
 }  // namespace

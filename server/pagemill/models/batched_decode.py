@@ -9,8 +9,9 @@ layer, with the same functions and roundings, in one call: its results are
 the module path's bit for bit (tests/test_batched_decode.py). Steps with
 prompt chunks (prefill, and mixed steps: a chunk beside decode rows, most
 steps under a steady stream of arrivals) take the same layer with the
-chunks' attention (prefill_attention.h): 64 decode rows beside a 16-token
-chunk went from 54 to 45 ms (docs/cpu.md).
+chunks' attention (prefill_attention.h; a mixed step's leading decode rows
+attend as a decode step's): 64 decode rows beside a 16-token chunk went from
+54 to 45 ms (docs/cpu.md).
 
 It applies where the module path would run exactly those functions: CPU,
 bfloat16 weights and pool, one unsharded process, every linear on
