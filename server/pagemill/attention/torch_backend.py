@@ -101,10 +101,9 @@ class TorchAttentionBackend:
     def _kernel_chunks(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float,
                        window: int | None) -> torch.Tensor:  # fmt: skip
         """A step's prompt chunks through the compiled kernels. The one-token sequences a mixed
-        step plans first (the running sequences' decode rows) attend as a decode step's do: the
-        decode kernel takes 0.31 against the chunk kernel's 0.35 ms a layer for 64 of them at
-        context ~160 (docs/cpu.md). models/batched_decode.py's layer splits them the same way,
-        so the two paths stay equal bit for bit."""
+        step plans first (the running sequences' decode rows) attend as a decode step's do, which
+        is faster for them (docs/cpu.md); models/batched_decode.py's layer splits them the same
+        way, so the two paths stay equal bit for bit."""
         singles = leading_singles(meta.query_lens)
         if singles == 0:
             return self.kernels.prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.cu_seqlens_q,
@@ -113,7 +112,7 @@ class TorchAttentionBackend:
                                                meta.context_lens[:singles], scale, window)  # fmt: skip
         if singles == len(meta.query_lens):
             return decoded
-        cu = (meta.cu_seqlens_q[singles:] - singles).to(torch.int32)
+        cu = meta.cu_seqlens_q[singles:] - singles  # int32 (checked by the caller), rows from 0
         chunks = self.kernels.prefill_attention(q[singles:], k_cache, v_cache, meta.block_tables[singles:], cu,
                                                 meta.context_lens[singles:], scale, window)  # fmt: skip
         return torch.cat((decoded, chunks))
