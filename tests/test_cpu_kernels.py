@@ -1,10 +1,13 @@
-"""The compiled CPU matvec kernel against torch's linear (skipped where it cannot be built)."""
+"""The compiled CPU matvec kernel against torch's linear, and the plain read the benchmarks' floors
+use (skipped where the library cannot be built)."""
+
+import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pagemill.cpu_kernels import matvec_kernel
+from pagemill.cpu_kernels import matvec_kernel, plain_read
 from pagemill.models.packed_linear import MATVEC_MAX_ROWS, PackedLinear
 
 kernel = matvec_kernel()
@@ -50,3 +53,36 @@ def test_no_cpu_kernels_keeps_torch_linear():
     with torch.inference_mode():
         x = torch.randn(1, 64)
         torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("numel", [1, 15, 16, 17, 1000, 4096 + 7])
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_plain_read_sums_every_float_once(numel, threads, monkeypatch):
+    read = plain_read()
+    if read is None:
+        pytest.skip("cpu kernels unavailable")
+    x = torch.arange(numel, dtype=torch.float32) % 7 - 3  # small integers: the float sums are exact
+    prev = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert read(x) == float(x.sum())
+    finally:
+        torch.set_num_threads(prev)
+
+
+def test_roofline_reads_at_the_faster_readers_rate(monkeypatch):
+    import pagemill.bench.roofline as roofline
+
+    calls = []
+
+    def slow_read(t):  # a reader slower than torch's sum does not lower the rate
+        calls.append(t.numel())
+        time.sleep(0.05)
+        return 0.0
+
+    monkeypatch.setattr(roofline, "plain_read", lambda: slow_read)
+    m = roofline.measure_machine(buffer_mib=4, mm_size=64, repeats=2)
+    assert calls and all(n == 4 * (1 << 20) // 4 for n in calls)
+    assert m.sum_gbs > 4 * (1 << 20) / 0.05 / 1e9  # torch's sum of 4 MiB is far faster than 50 ms
+    monkeypatch.setattr(roofline, "plain_read", lambda: None)  # no compiled library: torch's sum alone
+    assert roofline.measure_machine(buffer_mib=4, mm_size=64, repeats=2).sum_gbs > 0

@@ -7,7 +7,14 @@ sequence, and must do 2 FLOPs per weight per token plus attention. So
     floor(B, ctx) = max(bytes(B, ctx) / bandwidth, flops(B, ctx) / matmul rate)
 
 bandwidth: the better of a large tensor copy (read + write counted) and a
-large sum (read), both far beyond the last-level cache; matmul rate: a
+large read (the faster of torch's sum and a compiled loop of plain loads,
+cpu_kernels/read_rate.cpp, where it builds), both far beyond the last-level
+cache and in huge pages where the OS grants them, as a shard's weights and
+KV pool are (models/huge_pages.py). On the 2-vCPU Xeon of docs/benchmarks.md
+a 512 MiB sum read 22.8 GB/s from 4 KiB pages and 30.1 from huge pages, the
+compiled loop 26.1 and 30.9; once the decode linears asked for their weights
+ahead of use (cpu_kernels/vec.h), a batch-1 step read its weights faster
+than the 4 KiB sum's rate, so that floor was no floor. matmul rate: a
 large float32 torch.mm (and the same in bfloat16 for bf16 floors). Both with
 the torch thread count in force.
 """
@@ -19,14 +26,16 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from pagemill.cpu_kernels import plain_read
 from pagemill.models.config import ModelConfig
+from pagemill.models.huge_pages import huge_zeros
 
 
 @dataclass
 class Machine:
     threads: int
     copy_gbs: float
-    sum_gbs: float
+    sum_gbs: float  # the read rate: torch's sum or the compiled read, whichever was faster
     bandwidth_gbs: float  # the one the roofline uses: max(copy, sum)
     matmul_gflops: float
     matmul_bf16_gflops: float | None = None  # the same product in bfloat16 (oneDNN's bf16 GEMM)
@@ -57,10 +66,13 @@ def _best_of(fn, repeats: int) -> float:
 
 def measure_machine(buffer_mib: int = 512, mm_size: int = 2048, repeats: int = 5) -> Machine:
     n = buffer_mib * (1 << 20) // 4
-    a = torch.empty(n).normal_()
-    b = torch.empty_like(a)
+    a = huge_zeros((n,), torch.float32).normal_()
+    b = huge_zeros((n,), torch.float32)
     copy = 2 * a.numel() * 4 / _best_of(lambda: b.copy_(a), repeats) / 1e9
     summ = a.numel() * 4 / _best_of(lambda: a.sum(), repeats) / 1e9
+    read = plain_read()
+    if read is not None:
+        summ = max(summ, a.numel() * 4 / _best_of(lambda: read(a), repeats) / 1e9)
     del a, b
     x = torch.randn(mm_size, mm_size)
     mm = 2 * mm_size**3 / _best_of(lambda: torch.mm(x, x), repeats) / 1e9

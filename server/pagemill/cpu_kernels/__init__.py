@@ -37,6 +37,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -47,7 +48,7 @@ _DIR = Path(__file__).parent
 _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", _DIR / "greedy.cpp",
             _DIR / "norm.cpp", _DIR / "elementwise.cpp", _DIR / "paged_attention_int8.cpp", _DIR / "prefill_attention.cpp",
             _DIR / "gemm_bf16.cpp", _DIR / "kv_write.cpp", _DIR / "decode_batched.cpp",
-            _DIR / "threads.cpp"]
+            _DIR / "threads.cpp", _DIR / "read_rate.cpp"]
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "paged_attention_spans.h",
             _DIR / "int8_rows.h", _DIR / "prefill_attention.h", _DIR / "gemm_bf16.h",
             _DIR / "bf16_row_ops.h", _DIR / "gemm_amx.h", _DIR / "amx.h", _DIR / "int8_amx.h",
@@ -233,6 +234,18 @@ def decode_kernels() -> DecodeKernels | None:
     """The process-wide decode kernels; None where unavailable."""
     lib = _library()
     return None if lib is None else _wrapper("decode", DecodeKernels, lib)
+
+
+def plain_read() -> Callable[[torch.Tensor], float] | None:
+    """fn(t): every byte of a contiguous CPU float32 tensor read once by the torch thread count,
+    64 bytes a load (read_rate.cpp; the benchmarks' floors); None where the library is unavailable."""
+    lib = _library()
+    if lib is None:
+        return None
+    fn = lib.pagemill_read
+    fn.restype = ctypes.c_float
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    return lambda t: fn(t.data_ptr(), t.numel() * t.element_size(), torch.get_num_threads())
 
 
 def build_library(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:

@@ -49,6 +49,7 @@ inline Bf16Mul usable(Bf16Mul mul) {
 }
 
 inline int64_t padded32(int64_t K) { return (K + 31) / 32 * 32; }
+
 // Scratch bytes prepare() needs for M rows of K.
 inline int64_t prepared_bytes(int64_t M, int64_t K) { return M * padded32(K) * (int64_t)sizeof(float); }
 
@@ -93,6 +94,8 @@ inline void rows_dot(const Bf16Rows& x, const bf16* w, int64_t K, float* out) {
     const bf16* xb = static_cast<const bf16*>(x.data);
     int64_t k = 0;
     for (; k + 64 <= K; k += 64) {
+      ask_ahead(w + k);  // vec.h: the next lines of this thread's stream
+      ask_ahead(w + k + 32);
       const __m512bh u = (__m512bh)_mm512_loadu_si512(w + k), v = (__m512bh)_mm512_loadu_si512(w + k + 32);
       for (int m = 0; m < M; ++m) {
         a[m] = _mm512_dpbf16_ps(a[m], u, (__m512bh)_mm512_loadu_si512(xb + m * Kp + k));
@@ -100,6 +103,7 @@ inline void rows_dot(const Bf16Rows& x, const bf16* w, int64_t K, float* out) {
       }
     }
     for (; k < K; k += 32) {
+      ask_ahead(w + k);
       const __mmask32 t = K - k >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (K - k)) - 1);
       const __m512bh u = (__m512bh)_mm512_maskz_loadu_epi16(t, w + k);
       for (int m = 0; m < M; ++m) a[m] = _mm512_dpbf16_ps(a[m], u, (__m512bh)_mm512_loadu_si512(xb + m * Kp + k));
@@ -111,6 +115,7 @@ inline void rows_dot(const Bf16Rows& x, const bf16* w, int64_t K, float* out) {
   const float* xf = static_cast<const float*>(x.data);
   const __m512i high = _mm512_set1_epi32((int)0xFFFF0000u);
   for (int64_t k = 0; k < K; k += 32) {
+    ask_ahead(w + k);
     const __mmask32 t = K - k >= 32 ? ~(__mmask32)0 : (__mmask32)((1u << (K - k)) - 1);
     const __m512i raw = _mm512_maskz_loadu_epi16(t, w + k);
     const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));

@@ -80,13 +80,14 @@ void rotary(float* x, int64_t heads, int64_t D, const float* cos, const float* s
 template <int M>
 inline void rows_dot(const float* x, const float* w, int64_t K, float* out) {
   if (M == 1) {  // two FMA chains for one row (pagemill::dot)
-    out[0] = dot(w, x, K);
+    out[0] = pagemill::stream_dot(w, x, K);
     return;
   }
 #if defined(__AVX512F__)
   __m512 a[M];
   for (int m = 0; m < M; ++m) a[m] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
+    pagemill::ask_ahead(w + k);
     const __mmask16 t = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
     const __m512 u = _mm512_maskz_loadu_ps(t, w + k);
     for (int m = 0; m < M; ++m) a[m] = _mm512_fmadd_ps(u, _mm512_maskz_loadu_ps(t, x + m * K + k), a[m]);

@@ -253,7 +253,10 @@ void tile(const Args& a, int64_t m0, int64_t b0) {
   for (int64_t k4 = 0; k4 < k4s; ++k4) {
     __m512i wv[NB];
 #pragma GCC unroll 4
-    for (int j = 0; j < NB; ++j) wv[j] = _mm512_loadu_si512(w + j * block_bytes + k4 * 64);
+    for (int j = 0; j < NB; ++j) {
+      ask_ahead(w + j * block_bytes + k4 * 64);  // vec.h: the L2 streamer alone lags at few rows
+      wv[j] = _mm512_loadu_si512(w + j * block_bytes + k4 * 64);
+    }
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       int32_t four;

@@ -29,6 +29,8 @@ inline void two_rows(const float* x, const float* w0, const float* w1, int64_t K
   for (int m = 0; m < M; ++m) a[m] = b[m] = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
+    pagemill::ask_ahead(w0 + k);
+    pagemill::ask_ahead(w1 + k);
     const __m512 u = _mm512_loadu_ps(w0 + k), v = _mm512_loadu_ps(w1 + k);
     for (int m = 0; m < M; ++m) {
       const __m512 xm = _mm512_loadu_ps(x + m * K + k);
@@ -71,7 +73,7 @@ inline void two_rows(const float* x, const float* w0, const float* w1, int64_t K
 // Measured faster than interleaving two rows.
 void run_one(const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < N; ++n) y[n] = pagemill::dot(w + n * K, x, K) + (bias ? bias[n] : 0.f);
+  for (int64_t n = 0; n < N; ++n) y[n] = pagemill::stream_dot(w + n * K, x, K) + (bias ? bias[n] : 0.f);
 }
 
 template <int M>

@@ -37,6 +37,18 @@ struct LineAllocator {
 template <class T>
 using line_vector = std::vector<T, LineAllocator<T>>;
 
+#if defined(__AVX512F__)
+// How far ahead of its loads a decode linear's weight walk asks for lines (prefetcht0): each
+// thread walks its contiguous share of a weight, so the line 1 KB on is in the same stream.
+// Measured (the default model's 56 MB output head at batch 1 through matvec.cpp, 2 threads,
+// a ring of 6 copies in huge pages): 2.38 ms without, 1.75-1.85 ms with 512 B to 3 KB ahead,
+// against 1.69-1.72 ms for a plain read of the same bytes. The L2 streamer alone, which starts
+// over at every 4 KiB page, kept ~24 of the ~33 GB/s the two cores read.
+constexpr int64_t kWeightAhead = 1024;
+
+inline void ask_ahead(const void* w) { _mm_prefetch((const char*)w + kWeightAhead, _MM_HINT_T0); }
+#endif
+
 // bfloat16 as its raw bits (the upper half of a float32); a struct so that it
 // never converts to or from an integer by accident.
 struct bf16 {
@@ -112,6 +124,28 @@ inline float dot(const float* a, const float* b, int64_t K) {
 #pragma omp simd reduction(+ : s)
   for (int64_t k = 0; k < K; ++k) s += a[k] * b[k];
   return s;
+#endif
+}
+
+// dot(w, x, K) for a weight row w of a decode linear's stream: its lines asked for ahead
+// (ask_ahead), the same sums.
+inline float stream_dot(const float* w, const float* x, int64_t K) {
+#if defined(__AVX512F__)
+  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    ask_ahead(w + k);
+    ask_ahead(w + k + 16);
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), s1);
+  }
+  for (; k < K; k += 16) {
+    const __mmask16 t = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
+    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, w + k), _mm512_maskz_loadu_ps(t, x + k), s0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+#else
+  return dot(w, x, K);
 #endif
 }
 

@@ -1,0 +1,46 @@
+// A plain read of a buffer by a team of threads, each streaming its contiguous share with
+// 64-byte loads: the read rate the benchmarks' memory floors use (bench/roofline.py).
+//
+// Why: the floors took torch's float32 sum as the machine's read rate, 24-27 GB/s on the 2-vCPU
+// Xeon of docs/benchmarks.md, where this loop reads 29-33. Once the decode linears asked for
+// their weights ahead (vec.h's ask_ahead), a batch-1 step read its ~270 MB faster than that
+// "floor". A floor must be what no reader beats, so it takes the faster of the two.
+#include <omp.h>
+#include <stdint.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+extern "C" {
+
+// The sum of the float32 values in bytes [0, bytes) of p (bytes a multiple of 4), each read
+// once by one of `threads` threads (returned, so that the loads cannot be left out).
+float pagemill_read(const void* p, int64_t bytes, int threads) {
+  float total = 0.f;
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+  {
+    const int64_t lines = bytes / 64, t = omp_get_thread_num(), n = omp_get_num_threads();
+    const int64_t l0 = lines * t / n, l1 = lines * (t + 1) / n;
+    const char* q = (const char*)p;
+#if defined(__AVX512F__)
+    __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+    int64_t l = l0;
+    for (; l + 1 < l1; l += 2) {
+      s0 = _mm512_add_ps(s0, _mm512_loadu_ps(q + 64 * l));
+      s1 = _mm512_add_ps(s1, _mm512_loadu_ps(q + 64 * (l + 1)));
+    }
+    if (l < l1) s0 = _mm512_add_ps(s0, _mm512_loadu_ps(q + 64 * l));
+    total += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+#else
+    const float* f = (const float*)(q + 64 * l0);
+    float s = 0.f;
+    for (int64_t i = 0; i < (l1 - l0) * 16; ++i) s += f[i];
+    total += s;
+#endif
+    if (t == n - 1)  // the floats after the last whole line
+      for (int64_t i = lines * 16; i < bytes / 4; ++i) total += ((const float*)p)[i];
+  }
+  return total;
+}
+}
