@@ -16,7 +16,6 @@ import logging
 import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Sequence
 
 import grpc
 import torch
@@ -28,9 +27,10 @@ from pagemill.models.config import ModelConfig, all_layers_window
 from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.loader import dtype_name
 from pagemill.parallel.group import ParallelGroup
-from pagemill.grammar.matcher import GrammarCompiler, GrammarError, GrammarMasker
+from pagemill.grammar.matcher import GrammarCompiler, GrammarMasker
 from pagemill.proto import pb
 from pagemill.sampling.sampler import Sampler
+from pagemill.shard.constraints import banned_tokens, compile_grammar, start_masks, wait_masks
 from pagemill.shard.cuda_graphs import DecodeGraphs
 from pagemill.shard.errors import ShardError
 from pagemill.shard.generations import Emitted, advance
@@ -173,7 +173,7 @@ class ModelRunner:
         entries = check_step(req, self.requests, lim)
         for e, s in zip(entries, req.requests):
             if e.fresh:
-                self._compile_grammar(e.state, s.new_request)
+                compile_grammar(self.grammars, e.state, s.new_request)
         apply_step(req, entries, self.requests)
         # Before the forward: a saved block may be rewritten by this very step.
         tier = run_ops(self.store, pool, req) if self.store is not None else None
@@ -214,17 +214,6 @@ class ModelRunner:
             choice = self.thread_choices[len(live)] = ThreadChoice(thread_counts(torch.get_num_threads()))
         return choice if len(choice.counts) > 1 else None
 
-    def _compile_grammar(self, r: RequestState, new) -> None:
-        if not new.HasField("grammar"):
-            return
-        try:
-            r.grammar = self.grammars.compile(new.grammar)
-        except GrammarError as e:
-            r.error = str(e)  # the request is still computed (forks may read its KV), then dropped
-            return
-        if r.grammar is not None:  # after a preemption: replay what was generated before
-            r.error = r.grammar.consume(r.token_ids[r.prompt_len :])
-
     def _compute(self, live: list[Entry]) -> tuple[dict[int, Emitted], dict[int, list[float]]]:
         """Emitted tokens of the sampled entries and prompt logprobs, by request id."""
         # Proposals only in steps of decode entries alone: a prompt chunk makes it a varlen
@@ -245,7 +234,7 @@ class ModelRunner:
         inputs = build_inputs(live, self.block_size, self.device)
         sampled = [i for i, e in enumerate(live) if e.sampled]
         reqs = [live[i].state for i in sampled]
-        masks = self._start_masks(reqs)
+        masks = start_masks(self.masker, reqs)
         hidden = None
         if is_decode_step(live):
             logits = self.cuda_graphs.logits_for(inputs) if self.cuda_graphs is not None else None
@@ -261,35 +250,12 @@ class ModelRunner:
                     e.state.draft_len = e.end
             logits = self.model.head_logits(hidden[inputs.last_rows[sampled]])
         if not sampled:
-            self._wait(masks)
+            wait_masks(masks)
             return {}, {}
-        out = self.sampler(logits, reqs, self._wait(masks), self.banned_tokens(reqs))
+        out = self.sampler(logits, reqs, wait_masks(masks), banned_tokens(self.eos_ids, reqs))
         emitted = {live[i].id: Emitted([t], [lp], [(ti, tl)]) for i, t, lp, ti, tl in
                    zip(sampled, out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)}  # fmt: skip
         return emitted, prompt_logprobs(self.model, live, hidden)
-
-    def banned_tokens(self, requests: Sequence[RequestState], rows: Sequence[int] | None = None) -> dict:
-        """Row -> tokens it may not draw: EOS and the stop tokens while a request has
-        generated fewer than min_new_tokens (such requests have no proposals: one row each)."""
-        return {
-            i if rows is None else rows[i]: sorted(self.eos_ids | r.stop_token_ids)
-            for i, r in enumerate(requests)
-            if r.generated < r.min_new_tokens
-        }
-
-    def _start_masks(self, requests: Sequence[RequestState], rows: Sequence[int] | None = None):
-        """Starts the grammar masks of constrained rows; they compute while the forward runs."""
-        pairs = []
-        for i, r in enumerate(requests):
-            if r.grammar is not None and r.error is None:
-                r.error = r.grammar.error
-                if r.error is None:
-                    pairs.append((i if rows is None else rows[i], r.grammar))
-        return self.masker.start(pairs)
-
-    @staticmethod
-    def _wait(masks):
-        return masks.result() if masks is not None else None
 
     def _require_pool(self) -> KVPool:
         if self.pool is None:

@@ -4,7 +4,7 @@ A request finishes on EOS (unless ignore_eos_token; a constrained request
 always ends on the EOS its finished grammar forces), on one of its
 stop_token_ids, or when it has generated max_new_tokens; EOS and stop tokens
 win over the length. Before min_new_tokens the sampler never draws EOS or a
-stop token (engine.banned_tokens). A finish inside an accepted
+stop token (constraints.banned_tokens). A finish inside an accepted
 speculative run truncates the run there. A request with `error` set gets a
 Generation carrying only that error and is dropped.
 """

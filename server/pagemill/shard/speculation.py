@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import torch
 
+from pagemill.shard.constraints import banned_tokens, start_masks, wait_masks
 from pagemill.shard.generations import Emitted
 from pagemill.shard.requests import Entry, RequestState
 from pagemill.shard.step_inputs import build_inputs, fed_tokens
@@ -53,10 +54,10 @@ def verify_step(self: "ModelRunner", live: list[Entry], draft_q) -> list[Emitted
     rows = [r for r, c in zip(reqs, counts) for _ in range(c)]  # one row per fed position
     offsets = [0, *itertools.accumulate(counts)][:-1]
     # Requests with a grammar have no proposals: one row each, at their offset.
-    masks = self._start_masks(reqs, offsets)
+    masks = start_masks(self.masker, reqs, offsets)
     hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
-    shaped = self.sampler.shape(self.model.compute_logits(hidden), rows, self._wait(masks),
-                                self.banned_tokens(reqs, offsets))  # fmt: skip
+    shaped = self.sampler.shape(self.model.compute_logits(hidden), rows, wait_masks(masks),
+                                banned_tokens(self.eos_ids, reqs, offsets))  # fmt: skip
     tokens = verify(self.sampler, self.sampler.target_probs(shaped, rows), counts, proposals, reqs, draft_q)
     # Each row's chosen token, for its logprob (rows past a rejection report a dummy 0).
     ids = [t for toks, c in zip(tokens, counts) for t in toks + [0] * (c - len(toks))]
