@@ -12,7 +12,7 @@ from pagemill.models.loader import load_model
 from pagemill.proto import pb
 from pagemill.shard.engine import ModelRunner
 from pagemill.shard.harness import FakeRouter
-from pagemill.shard.threads import EXPLORE_EVERY, ThreadChoice, choose, thread_counts
+from pagemill.shard.threads import EXPLORE_EVERY, EXPLORE_MAX, LOAD_CHANGE, ThreadChoice, choose, thread_counts
 
 
 def test_untried_counts_come_first_in_order():
@@ -20,11 +20,48 @@ def test_untried_counts_come_first_in_order():
     assert choose((2, 1), {2: 5.0}, 1) == 1
 
 
-def test_faster_estimate_wins_and_the_other_is_tried_every_explore_steps():
+def test_faster_estimate_wins_and_the_other_is_tried_after_explore_steps():
     est = {2: 30.0, 1: 10.0}
-    picks = [choose((2, 1), est, s) for s in range(2 * EXPLORE_EVERY)]
-    assert picks.count(2) == 2 and picks.count(1) == 2 * EXPLORE_EVERY - 2
-    assert picks[EXPLORE_EVERY - 1] == 2 and picks[2 * EXPLORE_EVERY - 1] == 2
+    picks = [choose((2, 1), est, s) for s in range(EXPLORE_EVERY)]
+    assert picks[:-1] == [1] * (EXPLORE_EVERY - 1) and picks[-1] == 2
+
+
+def simulate(c: ThreadChoice, steps: int, ns: dict[int, int]) -> list[int]:
+    """The counts picked over `steps` steps whose times are ns[count]."""
+    picks = []
+    for _ in range(steps):
+        picks.append(c.pick())
+        c.record(picks[-1], ns[picks[-1]])
+    return picks
+
+
+def test_tries_that_lose_come_ever_more_rarely():
+    c = ThreadChoice((2, 1))
+    picks = simulate(c, 6000, {2: 10_500_000, 1: 19_000_000})  # an idle machine: two threads win
+    tries = picks.count(1) - 1  # the first step of one thread is its first measurement
+    # Every 64th step would be 93 tries; doubling to EXPLORE_MAX: 64, 128, ..., 1024, 1024, ...
+    assert 6 <= tries <= 9 and c.every == EXPLORE_MAX
+    gaps = [b - a for a, b in zip([i for i, p in enumerate(picks) if p == 1][1:], [i for i, p in enumerate(picks) if p == 1][2:])]
+    assert gaps == sorted(gaps) and gaps[0] == 2 * EXPLORE_EVERY and gaps[-1] == EXPLORE_MAX
+
+
+def test_a_load_change_brings_the_next_try_at_once():
+    c = ThreadChoice((2, 1))
+    simulate(c, 3000, {2: 10, 1: 19})
+    assert c.every == EXPLORE_MAX
+    picks = simulate(c, 10, {2: 200, 1: 19})  # other processes take the cores: two threads stall
+    assert 1 in picks[:5]  # not 1024 steps later
+    assert c.pick() == 1 and c.every == EXPLORE_EVERY  # one thread now, the other tried every 64 again
+    picks = simulate(c, EXPLORE_EVERY + 1, {2: 10, 1: 19})  # the load went away
+    assert picks[-1] == 2 and c.pick() == 2  # within one interval, back to two threads
+    assert LOAD_CHANGE > 1
+
+
+def test_a_slow_drift_of_the_count_in_use_has_the_other_tried():
+    c = ThreadChoice((2, 1))
+    simulate(c, 3000, {2: 10, 1: 30})
+    picks = simulate(c, 40, {2: 14, 1: 30})  # 1.4x slower, still the faster: tried once, then backed off
+    assert picks.count(1) == 1 and c.every == EXPLORE_MAX
 
 
 def test_estimates_follow_the_load():
