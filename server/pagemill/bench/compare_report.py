@@ -188,7 +188,8 @@ def summary_markdown(res: dict, table: str) -> str:
     if res.get("read_bandwidth_gbs"):
         lines += [f"Batch-1 floors: every weight read once at {res['read_bandwidth_gbs']:.1f} GB/s, the median of "
                   "the read bandwidths below.", ""]  # fmt: skip
-    lines += ["Read bandwidth (a sum over 512 MiB, idle) before each run, GB/s: " + ", ".join(
+    lines += ["Read bandwidth (512 MiB in huge pages, the faster of torch's sum and a compiled read; idle) "
+              "before each run, GB/s: " + ", ".join(
         s["name"] + " " + "/".join(f"{r['machine']['sum_gbs']:.1f}" for r in s["runs"] if "machine" in r)
         for s in res["servers"])] if any("machine" in r for s in res["servers"] for r in s["runs"]) else []  # fmt: skip
     failed = [(s["name"], r["failed"]) for s in res["servers"] for r in s["runs"] if "failed" in r]

@@ -49,7 +49,6 @@ inline Bf16Mul usable(Bf16Mul mul) {
 }
 
 inline int64_t padded32(int64_t K) { return (K + 31) / 32 * 32; }
-
 // Scratch bytes prepare() needs for M rows of K.
 inline int64_t prepared_bytes(int64_t M, int64_t K) { return M * padded32(K) * (int64_t)sizeof(float); }
 

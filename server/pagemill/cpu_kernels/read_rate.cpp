@@ -1,10 +1,12 @@
 // A plain read of a buffer by a team of threads, each streaming its contiguous share with
 // 64-byte loads: the read rate the benchmarks' memory floors use (bench/roofline.py).
 //
-// Why: the floors took torch's float32 sum as the machine's read rate, 24-27 GB/s on the 2-vCPU
-// Xeon of docs/benchmarks.md, where this loop reads 29-33. Once the decode linears asked for
-// their weights ahead (vec.h's ask_ahead), a batch-1 step read its ~270 MB faster than that
-// "floor". A floor must be what no reader beats, so it takes the faster of the two.
+// Why: the floors took torch's float32 sum over 4 KiB pages as the machine's read rate. On the
+// 2-vCPU Xeon of docs/benchmarks.md that sum read 22.8 GB/s over 512 MiB, this loop 26.1, and the
+// two 30.1 and 30.9 from huge pages (where the shard keeps its weights). Once the decode linears
+// asked for their weights ahead (vec.h's ask_ahead), a batch-1 step read its ~270 MB faster than
+// that "floor". A floor must be what no reader beats: roofline.py reads from huge pages and takes
+// the faster of torch's sum and this loop.
 #include <omp.h>
 #include <stdint.h>
 
