@@ -113,14 +113,13 @@ def bandwidth_gbs(clock, mib: int = 1024, repeats: int = 7) -> float:
     """Read bandwidth as bench/roofline.py takes it: the best of `repeats` reads of a float32
     buffer far beyond the caches, in huge pages (as the weights are), by torch's sum and by the
     compiled plain read where it builds, timed with `clock` (ns)."""
-    from pagemill.cpu_kernels import plain_read
-    from pagemill.models.huge_pages import huge_zeros
+    from pagemill.bench.roofline import read_buffer, readers
 
-    a = huge_zeros((mib * (1 << 20) // 4,), torch.float32).fill_(1.0)
-    readers = [a.sum] + ([lambda: read(a)] if (read := plain_read()) is not None else [])
-    for fn in readers:
+    a = read_buffer(mib)
+    fns = readers(a)
+    for fn in fns:
         fn()
-    best = min(_timed(fn, clock) for fn in readers for _ in range(repeats))
+    best = min(_timed(fn, clock) for fn in fns for _ in range(repeats))
     return a.numel() * 4 / best
 
 

@@ -64,15 +64,23 @@ def _best_of(fn, repeats: int) -> float:
     return best
 
 
-def measure_machine(buffer_mib: int = 512, mm_size: int = 2048, repeats: int = 5) -> Machine:
-    n = buffer_mib * (1 << 20) // 4
-    a = huge_zeros((n,), torch.float32).normal_()
-    b = huge_zeros((n,), torch.float32)
-    copy = 2 * a.numel() * 4 / _best_of(lambda: b.copy_(a), repeats) / 1e9
-    summ = a.numel() * 4 / _best_of(lambda: a.sum(), repeats) / 1e9
+def read_buffer(mib: int) -> torch.Tensor:
+    """A float32 buffer of `mib` MiB in huge pages where the OS grants them (as the weights are)."""
+    return huge_zeros((mib * (1 << 20) // 4,), torch.float32).normal_()
+
+
+def readers(a: torch.Tensor) -> list:
+    """The ways the read rate of `a` is taken (the fastest counts): torch's sum, and the compiled
+    plain read where the kernels build."""
     read = plain_read()
-    if read is not None:
-        summ = max(summ, a.numel() * 4 / _best_of(lambda: read(a), repeats) / 1e9)
+    return [a.sum] + ([lambda: read(a)] if read is not None else [])
+
+
+def measure_machine(buffer_mib: int = 512, mm_size: int = 2048, repeats: int = 5) -> Machine:
+    a = read_buffer(buffer_mib)
+    b = huge_zeros(tuple(a.shape), torch.float32)
+    copy = 2 * a.numel() * 4 / _best_of(lambda: b.copy_(a), repeats) / 1e9
+    summ = max(a.numel() * 4 / _best_of(fn, repeats) / 1e9 for fn in readers(a))
     del a, b
     x = torch.randn(mm_size, mm_size)
     mm = 2 * mm_size**3 / _best_of(lambda: torch.mm(x, x), repeats) / 1e9

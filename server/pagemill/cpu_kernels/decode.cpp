@@ -80,7 +80,7 @@ void rotary(float* x, int64_t heads, int64_t D, const float* cos, const float* s
 template <int M>
 inline void rows_dot(const float* x, const float* w, int64_t K, float* out) {
   if (M == 1) {  // two FMA chains for one row (pagemill::dot)
-    out[0] = pagemill::stream_dot(w, x, K);
+    out[0] = pagemill::dot<true>(w, x, K);
     return;
   }
 #if defined(__AVX512F__)

@@ -73,7 +73,7 @@ inline void two_rows(const float* x, const float* w0, const float* w1, int64_t K
 // Measured faster than interleaving two rows.
 void run_one(const float* x, const float* w, const float* bias, float* y, int64_t N, int64_t K, int threads) {
 #pragma omp parallel for schedule(static) num_threads(threads)
-  for (int64_t n = 0; n < N; ++n) y[n] = pagemill::stream_dot(w + n * K, x, K) + (bias ? bias[n] : 0.f);
+  for (int64_t n = 0; n < N; ++n) y[n] = pagemill::dot<true>(w + n * K, x, K) + (bias ? bias[n] : 0.f);
 }
 
 template <int M>

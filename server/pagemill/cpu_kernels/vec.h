@@ -105,12 +105,18 @@ inline bf16 from_float<bf16>(float f) {
 }
 
 // sum_k a[k] * b[k]. Two accumulators over 32 floats: two independent FMA
-// chains keep both FMA ports busy while the loads stream.
+// chains keep both FMA ports busy while the loads stream. kAhead: a is a weight
+// row of a decode linear's stream, its lines asked for ahead (ask_ahead).
+template <bool kAhead = false>
 inline float dot(const float* a, const float* b, int64_t K) {
 #if defined(__AVX512F__)
   __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
   int64_t k = 0;
   for (; k + 32 <= K; k += 32) {
+    if constexpr (kAhead) {
+      ask_ahead(a + k);
+      ask_ahead(a + k + 16);
+    }
     s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), s0);
     s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(b + k + 16), s1);
   }
@@ -124,28 +130,6 @@ inline float dot(const float* a, const float* b, int64_t K) {
 #pragma omp simd reduction(+ : s)
   for (int64_t k = 0; k < K; ++k) s += a[k] * b[k];
   return s;
-#endif
-}
-
-// dot(w, x, K) for a weight row w of a decode linear's stream: its lines asked for ahead
-// (ask_ahead), the same sums.
-inline float stream_dot(const float* w, const float* x, int64_t K) {
-#if defined(__AVX512F__)
-  __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= K; k += 32) {
-    ask_ahead(w + k);
-    ask_ahead(w + k + 16);
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), s0);
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), s1);
-  }
-  for (; k < K; k += 16) {
-    const __mmask16 t = K - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (K - k)) - 1);
-    s0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(t, w + k), _mm512_maskz_loadu_ps(t, x + k), s0);
-  }
-  return _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
-#else
-  return dot(w, x, K);
 #endif
 }
 
