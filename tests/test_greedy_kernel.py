@@ -78,3 +78,22 @@ def test_other_rows_keep_the_torch_path():
     sampler(x, [Row(SamplingParams(logit_bias=((3, 5.0),))), Row(SamplingParams())])
     sampler(x, [Row(SamplingParams(repetition_penalty=1.2)), Row(SamplingParams())])
     sampler(x, [Row(SamplingParams()), Row(SamplingParams())], banned={0: [1]})
+
+
+@pytest.mark.parametrize("rows", [5, 6, 40])  # 6 rows of 49152: the first that split over the team
+def test_rows_split_over_the_team_give_one_threads_bits(greedy, rows):
+    x = logits_with_ties(rows, 49152, torch.bfloat16)
+    bad = x.clone()
+    bad[rows - 2, 7] = float("nan")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = greedy(x)
+        torch.set_num_threads(2)
+        team = greedy(x)
+        refused = greedy(bad)  # a bad row in the split pass still sends the batch to torch
+    finally:
+        torch.set_num_threads(before)
+    assert refused is None
+    assert one[0].tolist() == x.float().argmax(-1).tolist()
+    assert torch.equal(one[0], team[0]) and torch.equal(one[1], team[1])
