@@ -32,11 +32,11 @@ def small(tiny_model_dir):
     s.stop()
 
 
-def generate(server, prompt, max_new_tokens, priority=None, timeout=300):
+def generate(server, prompt, max_new_tokens, priority=None, timeout=300, client=httpx):
     params = {"max_new_tokens": max_new_tokens, "ignore_eos_token": True}
     if priority is not None:
         params["priority"] = priority
-    return httpx.post(f"{server.url}/generate", timeout=timeout, json={"inputs": prompt, "parameters": params})
+    return client.post(f"{server.url}/generate", timeout=timeout, json={"inputs": prompt, "parameters": params})
 
 
 def test_pool_is_the_size_the_test_assumes(small):
@@ -89,8 +89,7 @@ def test_better_priority_overtakes_queued_worse_priority(small):
             r = client.post(f"{small.url}/v1/completions", json={
                 "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "priority": priority})
         else:
-            r = client.post(f"{small.url}/generate", json={"inputs": prompt, "parameters": {
-                "max_new_tokens": n, "ignore_eos_token": True, "priority": priority}})
+            r = generate(small, prompt, n, priority, client=client)
         assert r.status_code == 200, r.text
         with lock:
             done.append(name)
@@ -117,8 +116,8 @@ def test_better_priority_overtakes_queued_worse_priority(small):
         elapsed = time.monotonic() - t0
     print(f"completion order ({elapsed:.1f} s, {ahead} lows finished or seated as the highs were sent):", done)
     assert ahead <= 3, "the lows were not queued when the highs were sent: the test measured nothing"
-    # Before each high finish at most: the lows finished or seated when it was sent, one low
-    # seated between sending and arrival, and the other high.
+    # At most these finish before each high: the lows finished or seated when it was sent, one
+    # low seated between its sending and its arrival, and the other high.
     positions = [done.index("high-tgi"), done.index("high-openai")]
     assert max(positions) <= ahead + 2, done
 

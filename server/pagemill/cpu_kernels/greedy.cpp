@@ -72,7 +72,7 @@ constexpr int64_t kParallelFloats = 1 << 18;
 extern "C" {
 
 // logits [rows, V] row-major (row stride `stride` elements), float32 (bf16 == 0)
-// or bfloat16. Returns 0, or 1 + the first row holding a NaN or infinity.
+// or bfloat16. Returns 0, or 1 + a row holding a NaN or infinity (the last one).
 int pagemill_greedy(const void* logits, int bf16_logits, int64_t rows, int64_t V, int64_t stride, int64_t* ids,
                     float* logprobs, int threads) {
   int failed = 0;
