@@ -83,12 +83,13 @@ needs_amx = pytest.mark.skipif(kernel is None or not kernel.amx, reason="no AMX-
 
 
 @needs_amx
-@pytest.mark.parametrize("m,n,k", [(4, 960, 576), (5, 960, 576), (16, 48, 32), (33, 130, 64), (64, 3072, 576),
-                                   (300, 200, 96)])  # fmt: skip
+@pytest.mark.parametrize("m,n,k", [(4, 960, 576), (5, 960, 576), (16, 48, 32), (33, 130, 64), (47, 96, 64),
+                                   (48, 960, 576), (63, 130, 64), (64, 3072, 576), (300, 200, 96)])  # fmt: skip
 def test_amx_and_vdpbf16ps_builds_agree(m, n, k):
     """Where the tiles run (4+ rows, K % 32 == 0), a build without them (the vdpbf16ps tiles) and
     both against float64: each within one bf16 rounding (every row-tile and block remainder,
-    pair- and row-major walks; the SwiGLU epilogue on tiles: test_swiglu_epilogue_...)."""
+    pair- and row-major walks, 33-63 rows in two passes that share a row; the SwiGLU epilogue on
+    tiles: test_swiglu_epilogue_...)."""
     lib = build_library(("-mno-amx-tile", "-mno-amx-bf16"))
     assert lib is not None
     vdp = GemmBf16Kernel(lib)
@@ -200,7 +201,7 @@ def test_fused_layer_hands_over_earlier_when_the_gemm_runs(tmp_path):
 
 # (rows, intermediate, in_features) for the SwiGLU epilogue: tile remainders, the default model's
 # gate_up (I = 1536, K = 576), one intermediate block, more rows than a chunk.
-SWIGLU_SHAPES = [(1, 16, 64), (2, 48, 576), (5, 1536, 576), (7, 80, 96), (64, 1536, 576), (300, 64, 32)]
+SWIGLU_SHAPES = [(1, 16, 64), (2, 48, 576), (5, 1536, 576), (7, 80, 96), (41, 48, 576), (64, 1536, 576), (300, 64, 32)]
 
 
 @needs_fast

@@ -140,7 +140,8 @@ def test_amx_path_is_the_one_built_here():
 
 
 @pytest.mark.skipif(kernel is None or not kernel.amx, reason="no AMX-INT8 on this CPU (or not granted)")
-@pytest.mark.parametrize("m,n,k", [(8, 960, 576), (16, 48, 64), (33, 130, 128), (64, 3072, 576), (300, 200, 192)])
+@pytest.mark.parametrize("m,n,k", [(8, 960, 576), (16, 48, 64), (33, 130, 128), (47, 96, 128), (48, 960, 576),
+                                   (64, 3072, 576), (300, 200, 192)])  # fmt: skip
 def test_amx_and_vnni_builds_give_the_same_bits(m, n, k):
     """The tiles' int32 sums are vpdpbusd's (both exact), through the same epilogue: a build
     without AMX gives the same bits at every row-tile and block remainder, both walks."""

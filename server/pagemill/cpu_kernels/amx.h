@@ -72,6 +72,21 @@ constexpr int64_t kGroupBytes = 512 << 10;
 // (prefill: half the L2 traffic per multiply).
 constexpr int64_t kPairMajorRows = 64;
 
+// How a pair of blocks walks a chunk of up to kPairMajorRows rows: one pass of rows0 + rows1
+// rows, or two of the same shape, the second ending at the chunk's last row (they share a row
+// where the count is odd; its sums come out the same either pass). One shape for both passes
+// keeps the tile configuration: a 33-63-row chunk walked as 32 rows then the rest changed it
+// twice a pair of blocks, and ldtilecfg is slow (a 48-row gate_up took 1.07x, the LM head
+// 1.09x; docs/cpu.md).
+struct Passes {
+  int rows0, rows1;
+  bool second;
+};
+inline Passes passes(int rows) {
+  if (rows <= 32) return {rows < 16 ? rows : 16, rows <= 16 ? 0 : rows - 16, false};
+  return {16, (rows - 32 + 1) / 2, true};
+}
+
 // One thread's blocks [first, last) of `weights` (block_bytes each) against rows [0, M),
 // chunk_rows at a time, in groups of about kGroupBytes: tile(m, rows0, rows1, b, two_blocks,
 // ahead) computes rows [m, m + rows0 + rows1) x blocks b (and b + 1 where two_blocks).
@@ -84,9 +99,7 @@ void walk(const void* weights, int64_t first, int64_t last, int64_t M, int64_t c
   if (first >= last) return;
   const int64_t group = kGroupBytes / block_bytes < 2 ? 2 : kGroupBytes / block_bytes / 2 * 2;
   int rows0 = -1, rows1 = -1;
-  auto run = [&](int64_t m, int64_t rows_end, int64_t b, int64_t b_end, Ahead ahead) {
-    const int left = (int)(rows_end - m < 32 ? rows_end - m : 32);
-    const int r0 = left < 16 ? left : 16, r1 = left - r0;
+  auto run = [&](int64_t m, int r0, int r1, int64_t b, int64_t b_end, Ahead ahead) {
     if (r0 != rows0 || r1 != rows1) {
       configure(r0, r1);
       rows0 = r0, rows1 = r1;
@@ -98,15 +111,19 @@ void walk(const void* weights, int64_t first, int64_t last, int64_t M, int64_t c
     for (int64_t c = 0; c < M; c += chunk_rows) {
       const int64_t rows_end = M - c < chunk_rows ? M : c + chunk_rows;
       if (rows_end - c > kPairMajorRows) {
-        for (int64_t m = c; m < rows_end; m += 32)
-          for (int64_t b = g; b < g_end; b += 2) run(m, rows_end, b, g_end, Ahead{});
+        for (int64_t m = c; m < rows_end; m += 32) {
+          const int left = (int)(rows_end - m < 32 ? rows_end - m : 32), r0 = left < 16 ? left : 16;
+          for (int64_t b = g; b < g_end; b += 2) run(m, r0, left - r0, b, g_end, Ahead{});
+        }
         continue;
       }
+      const Passes p = passes((int)(rows_end - c));
       for (int64_t b = g; b < g_end; b += 2) {
         // The next pair's weights into L2 while this pair's first row tile computes.
         const int64_t next = b + 2, next_nb = last - next < 2 ? last - next : 2;
         const Ahead ahead{(const char*)weights + next * block_bytes, next < last ? next_nb * block_bytes / 64 : 0};
-        for (int64_t m = c; m < rows_end; m += 32) run(m, rows_end, b, g_end, m == c ? ahead : Ahead{});
+        run(c, p.rows0, p.rows1, b, g_end, ahead);
+        if (p.second) run(rows_end - (p.rows0 + p.rows1), p.rows0, p.rows1, b, g_end, Ahead{});
       }
     }
   }
