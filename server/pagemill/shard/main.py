@@ -16,6 +16,7 @@ from pagemill.config import ShardConfig
 from pagemill.parallel.group import ParallelConfig, ParallelGroup, rank_device
 from pagemill.shard.allocator import keep_freed_memory
 from pagemill.shard.auth import TokenAuth, read_token
+from pagemill.shard.gil import shorten_gil_switch
 from pagemill.shard.engine import ModelRunner
 from pagemill.shard.placement import Placement, allowed_cores, pin_team, pin_this_thread, plan_placement
 from pagemill.shard.service import ShardService, new_model_thread
@@ -39,6 +40,7 @@ def serve(config: ShardConfig) -> None:
     # Read before loading: a missing token file fails in a second, not after the model loads.
     token = read_token(config.shard_auth_token_file) if config.shard_auth_token_file else None
     keep_freed_memory()  # before the first large allocation: steps then reuse their pages
+    shorten_gil_switch()  # the model thread waits less for the event loop's thread (gil.py)
     # Rendezvous first (cheap), then load: every rank loads only its slices.
     group = ParallelGroup.init(
         ParallelConfig(
