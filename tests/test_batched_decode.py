@@ -196,3 +196,9 @@ def test_batched_decoder_rejects_a_slot_outside_the_pool(llama_dir):
     with pytest.raises(ValueError, match="rejected its shapes"):
         model.model.batched(torch.zeros(4, config.hidden_size, dtype=torch.bfloat16),
                             *(torch.ones(4, config.head_dim, dtype=torch.bfloat16),) * 2, short, h.pool.kv_caches)
+    # One call runs every layer: a KV cache per layer, or it is refused before anything runs.
+    fine = make_metadata(is_prefill=True, query_lens=[3, 1], kv_lens=[3, 2], block_tables=[[1], [2]],
+                         slot_mapping=[4, 5, 6, 9], device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match="KV caches for"):
+        model.model.batched(torch.zeros(4, config.hidden_size, dtype=torch.bfloat16),
+                            *(torch.ones(4, config.head_dim, dtype=torch.bfloat16),) * 2, fine, h.pool.kv_caches[:-1])

@@ -108,6 +108,16 @@ def test_fused_path_is_skipped_where_it_does_not_apply(llama_dir):
     assert bf16.applies(x.bfloat16(), meta(), [tuple(c.bfloat16() for c in caches[0])])
     assert not bf16.applies(x.bfloat16(), meta(), caches)
 
+    # One call runs every layer: a KV cache per layer, or it is refused before anything runs.
+    h = PagedHarness(model, config, num_blocks=4)
+    cos_sin = (torch.ones(1, config.head_dim),) * 2
+    with pytest.raises(ValueError, match="KV caches for"):
+        fused(x, *cos_sin, meta(), h.pool.kv_caches[:-1])
+    short = make_metadata(is_prefill=False, query_lens=[1], kv_lens=[0], block_tables=[[1]], slot_mapping=[0],
+                          device="cpu")  # fmt: skip
+    with pytest.raises(ValueError, match="fused decode layer 0 rejected its shapes"):
+        fused(x, *cos_sin, short, h.pool.kv_caches)
+
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(4, 2, 16, 4), (9, 3, 64, 16), (4, 4, 32, 8),
                                                                 (6, 1, 8, 5), (7, 1, 64, 16), (8, 1, 64, 16),

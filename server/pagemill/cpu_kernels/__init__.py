@@ -52,7 +52,7 @@ _SOURCES = [_DIR / "matvec.cpp", _DIR / "decode.cpp", _DIR / "int8_linear.cpp", 
 _HEADERS = [_DIR / "vec.h", _DIR / "bf16_rows.h", _DIR / "paged_attention.h", _DIR / "paged_attention_spans.h",
             _DIR / "int8_rows.h", _DIR / "prefill_attention.h", _DIR / "gemm_bf16.h",
             _DIR / "bf16_row_ops.h", _DIR / "gemm_amx.h", _DIR / "amx.h", _DIR / "int8_amx.h",
-            _DIR / "prefill_attention_amx.h", _DIR / "team_balance.h"]
+            _DIR / "prefill_attention_amx.h", _DIR / "team_balance.h", _DIR / "each_layer.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -99,30 +99,28 @@ class DecodeKernels:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         vp, i64, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-        self.layer = lib.pagemill_decode_layer
-        self.layer.restype = ctypes.c_int
-        self.layer.argtypes = [vp, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp, i64, ctypes.c_int]
-        self.layer_bf16 = lib.pagemill_decode_layer_bf16
-        self.layer_bf16.restype = ctypes.c_int
-        self.layer_bf16.argtypes = self.layer.argtypes + [ctypes.c_int]
-        # The layer of an int8 model: the same arguments and the pool's dtype (0 float32, 1 bf16).
-        self.layer_int8 = lib.pagemill_decode_layer_int8
-        self.layer_int8.restype = ctypes.c_int
-        self.layer_int8.argtypes = self.layer.argtypes + [ctypes.c_int]
+        # Every layer in one call: float32, bf16 (+ the multiply's variant) and int8 (+ the pool's dtype).
+        layers = [vp, i64, i64, vp, vp, f32, f32, vp, vp, vp, vp, i64, vp, vp, vp, ctypes.c_int]
+        self.layers = lib.pagemill_decode_layers
+        self.layers.restype = ctypes.c_int
+        self.layers.argtypes = layers + [vp]
+        self.layers_bf16 = lib.pagemill_decode_layers_bf16
+        self.layers_bf16.restype = ctypes.c_int
+        self.layers_bf16.argtypes = layers + [ctypes.c_int, vp]
+        # The layers of an int8 model: the pool's dtype (0 float32, 1 bf16) after the threads.
+        self.layers_int8 = lib.pagemill_decode_layers_int8
+        self.layers_int8.restype = ctypes.c_int
+        self.layers_int8.argtypes = layers + [ctypes.c_int, vp]
         self.layer_int8_ptrs = int(lib.pagemill_decode_layer_int8_ptrs())
         self.layer_ptrs = int(lib.pagemill_decode_layer_ptrs())
         self.layer_dims = int(lib.pagemill_decode_layer_dims())
         self.layer_max_rows = int(lib.pagemill_decode_layer_max_rows())
         # decode_batched.cpp: the bf16 layer with gemm_bf16's linears (models/batched_decode.py).
-        self.batched_bf16 = lib.pagemill_decode_batched_bf16
-        self.batched_bf16.restype = ctypes.c_int
-        self.batched_bf16.argtypes = [vp, vp, ctypes.c_int, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp, vp,
-                                      i64, i64, ctypes.c_int]  # fmt: skip
-        # The same layer over the rows of prompt chunks (prefill and mixed steps): + cu_seqlens_q, sequences.
-        self.prefill_batched_bf16 = lib.pagemill_prefill_batched_bf16
-        self.prefill_batched_bf16.restype = ctypes.c_int
-        self.prefill_batched_bf16.argtypes = [vp, vp, ctypes.c_int, i64, vp, vp, f32, f32, vp, vp, vp, vp, vp, i64, vp,
-                                              vp, i64, vp, i64, i64, ctypes.c_int]  # fmt: skip
+        # All the layers in one call, a decode step's or the rows of prompt chunks (cu_seqlens_q, or null).
+        self.batched_layers_bf16 = lib.pagemill_batched_layers_bf16
+        self.batched_layers_bf16.restype = ctypes.c_int
+        self.batched_layers_bf16.argtypes = [vp, vp, i64, i64, vp, vp, f32, f32, vp, vp, vp, vp, i64, vp, vp, i64, vp,
+                                             i64, vp, ctypes.c_int, vp]  # fmt: skip
         self.batched_ptrs = int(lib.pagemill_decode_batched_ptrs())
         self.batched_dims = int(lib.pagemill_decode_batched_dims())
         self.attention = lib.pagemill_paged_attention

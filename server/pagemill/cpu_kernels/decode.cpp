@@ -38,6 +38,7 @@
 #include <vector>
 
 #include "bf16_rows.h"
+#include "each_layer.h"
 #include "int8_rows.h"
 #include "paged_attention.h"
 #include "team_balance.h"
@@ -335,41 +336,56 @@ int pagemill_decode_layer_ptrs() { return kNumPtrs; }
 int pagemill_decode_layer_dims() { return kNumDims; }
 int pagemill_decode_layer_max_rows() { return kMaxLayerRows; }
 
-// decode_layer<float>: ptrs, caches float32.
-int pagemill_decode_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
-                          const float* cos, const float* sin, float* k_cache, float* v_cache,
-                          const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
-                          int64_t window, int threads) {
-  return dense_layer<float>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-                            slots, window, threads, Bf16Mul::kWiden);
+// Every layer of the model in one call (each_layer.h: the tables, pools and windows, the code
+// and index of a failing layer). x [B, hidden] float32: in, the embedded tokens; out, the last
+// layer's output.
+
+// decode_layer<float>: the tables and caches float32.
+int pagemill_decode_layers(float* x, int64_t B, int64_t layers, const int64_t* tables, const int64_t* dims, float eps,
+                           float scale, const float* cos, const float* sin, const int64_t* kv,
+                           const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
+                           const int64_t* windows, int threads, int64_t* failed) {
+  const auto run = [&](int64_t, const int64_t* ptrs, void* k, void* v, int64_t window) {
+    return dense_layer<float>(x, B, ptrs, dims, eps, scale, cos, sin, (float*)k, (float*)v, block_tables, width, lens,
+                              slots, window, threads, Bf16Mul::kWiden);
+  };
+  return pagemill::each_layer(layers, tables, kv, windows, failed, run);
 }
 
-// decode_layer<bf16>: ptrs and caches bfloat16, x and cos/sin float32; mul: -1
-// for the measured default, else a pagemill::Bf16Mul.
-int pagemill_decode_layer_bf16(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps,
-                               float scale, const float* cos, const float* sin, bf16* k_cache, bf16* v_cache,
-                               const int32_t* block_tables, int64_t width, const int32_t* lens,
-                               const int64_t* slots, int64_t window, int threads, int mul) {
+// decode_layer<bf16>: the tables and caches bfloat16, x and cos/sin float32; mul: -1 for the
+// measured default, else a pagemill::Bf16Mul.
+int pagemill_decode_layers_bf16(float* x, int64_t B, int64_t layers, const int64_t* tables, const int64_t* dims,
+                                float eps, float scale, const float* cos, const float* sin, const int64_t* kv,
+                                const int32_t* block_tables, int64_t width, const int32_t* lens,
+                                const int64_t* slots, const int64_t* windows, int threads, int mul,
+                                int64_t* failed) {
   const Bf16Mul m = pagemill::usable(mul < 0 ? pagemill::choose_mul(B) : (Bf16Mul)mul);
-  return dense_layer<bf16>(x, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-                           slots, window, threads, m);
+  const auto run = [&](int64_t, const int64_t* ptrs, void* k, void* v, int64_t window) {
+    return dense_layer<bf16>(x, B, ptrs, dims, eps, scale, cos, sin, (bf16*)k, (bf16*)v, block_tables, width, lens,
+                             slots, window, threads, m);
+  };
+  return pagemill::each_layer(layers, tables, kv, windows, failed, run);
 }
 
 int pagemill_decode_layer_int8_ptrs() { return kInt8Ptrs; }
 
-// The layer of an int8 model (Int8Linears' table): norms and caches float32
-// (kv_bf16 0) or bfloat16 (1), x and cos/sin float32. Each linear's rotate is
-// 0 or a power of two dividing its K (QuantizedLinear checks it).
-int pagemill_decode_layer_int8(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, float eps, float scale,
-                               const float* cos, const float* sin, void* k_cache, void* v_cache,
-                               const int32_t* block_tables, int64_t width, const int32_t* lens, const int64_t* slots,
-                               int64_t window, int threads, int kv_bf16) {
-  const Int8Linears lin{ptrs};
-  if (kv_bf16)
-    return decode_layer(x, B, (const bf16*)ptrs[0], (const bf16*)ptrs[1], lin, dims, eps, scale, cos, sin,
-                        (bf16*)k_cache, (bf16*)v_cache, block_tables, width, lens, slots, window, threads);
-  return decode_layer(x, B, (const float*)ptrs[0], (const float*)ptrs[1], lin, dims, eps, scale, cos, sin,
-                      (float*)k_cache, (float*)v_cache, block_tables, width, lens, slots, window, threads);
+// The layers of an int8 model (Int8Linears' tables): norms and caches float32 (kv_bf16 0) or
+// bfloat16 (1), x and cos/sin float32. Each linear's rotate is 0 or a power of two dividing
+// its K (QuantizedLinear checks it).
+int pagemill_decode_layers_int8(float* x, int64_t B, int64_t layers, const int64_t* tables, const int64_t* dims,
+                                float eps, float scale, const float* cos, const float* sin, const int64_t* kv,
+                                const int32_t* block_tables, int64_t width, const int32_t* lens,
+                                const int64_t* slots, const int64_t* windows, int threads, int kv_bf16,
+                                int64_t* failed) {
+  const auto run = [&](int64_t, const int64_t* ptrs, void* k, void* v, int64_t window) {
+    const Int8Linears lin{ptrs};
+    if (kv_bf16)
+      return decode_layer(x, B, (const bf16*)ptrs[0], (const bf16*)ptrs[1], lin, dims, eps, scale, cos, sin, (bf16*)k,
+                          (bf16*)v, block_tables, width, lens, slots, window, threads);
+    return decode_layer(x, B, (const float*)ptrs[0], (const float*)ptrs[1], lin, dims, eps, scale, cos, sin,
+                        (float*)k, (float*)v, block_tables, width, lens, slots, window, threads);
+  };
+  return pagemill::each_layer(layers, tables, kv, windows, failed, run);
 }
 
 int pagemill_paged_attention(const float* q, int64_t q_stride, const float* k_cache, const float* v_cache,

@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "bf16_row_ops.h"
+#include "each_layer.h"
 #include "gemm_bf16.h"
 #include "paged_attention.h"
 #include "prefill_attention.h"
@@ -178,32 +179,28 @@ extern "C" {
 int pagemill_decode_batched_ptrs() { return kNumPtrs; }
 int pagemill_decode_batched_dims() { return kNumDims; }
 
-// x [B, H]: in, the previous layer's MLP output (the embedding for the first layer); out, this
-// layer's. residual [B, H]: the stream x adds to, updated (first != 0: set to x, no add). cos/sin
-// [B, D]. Token b's k/v go to flat slot slots[b] of the pools (num_slots rows) before attention
-// reads its first lens[b] keys (block_tables [B, width]; window > 0: only the last `window`).
-// All tensors bf16 except the int tables. K of every linear must be even (the packed layout).
-// Returns 0; 1 on a bad shape, 2 + b for the first token b whose slot is outside the pool
-// (nothing written).
-int pagemill_decode_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs,
+// Every layer of the model in one call (each_layer.h: the tables, each of the Ptr entries above,
+// pools and windows; the code and index of a failing layer).
+// x [B, H] (B rows): in, the embedded tokens; out, the last layer's MLP output. residual [B, H]: the
+// stream it adds to (the first layer sets it). cos/sin [B, D]. cu_q null: B one-token
+// sequences (a decode step; seqs == B); else the rows of `seqs` sequences with prompt chunks (a
+// prefill or mixed step): sequence i's rows are cu_q[i]..cu_q[i+1]-1 (cu_q [seqs + 1] int32,
+// cu_q[seqs] == B). lens[i]: sequence i's keys after the step (its new rows' among them,
+// last), block_tables [seqs, width]. Row b's k/v go to flat slot slots[b] of every layer's
+// pools (num_slots rows each) before attention reads them. All tensors bf16 except the int
+// tables; K of every linear even (the packed layout). Returns 0; else the first failing
+// layer's code (1: a bad shape; 2 + b: row b's slot is outside the pool; nothing of that
+// layer written, the layers before it done) with its index in *failed.
+int pagemill_batched_layers_bf16(bf16* x, bf16* residual, int64_t B, int64_t layers, const int64_t* tables,
                                  const int64_t* dims, float eps, float scale, const bf16* cos, const bf16* sin,
-                                 bf16* k_cache, bf16* v_cache, const int32_t* block_tables, int64_t width,
-                                 const int32_t* lens, const int64_t* slots, int64_t num_slots, int64_t window,
-                                 int threads) {
-  return layer(x, residual, first, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-               nullptr, B, slots, num_slots, window, threads);
-}
-
-// The same layer over the B rows of `seqs` sequences with prompt chunks (a prefill or mixed
-// step): sequence i's rows are cu_q[i]..cu_q[i+1]-1 (cu_q [seqs + 1] int32, cu_q[seqs] == B),
-// lens[i] its keys after the step (its rows' among them, last), block_tables [seqs, width].
-// cos/sin and slots per row. Returns as pagemill_decode_batched_bf16.
-int pagemill_prefill_batched_bf16(bf16* x, bf16* residual, int first, int64_t B, const int64_t* ptrs,
-                                  const int64_t* dims, float eps, float scale, const bf16* cos, const bf16* sin,
-                                  bf16* k_cache, bf16* v_cache, const int32_t* block_tables, int64_t width,
-                                  const int32_t* lens, const int32_t* cu_q, int64_t seqs, const int64_t* slots,
-                                  int64_t num_slots, int64_t window, int threads) {
-  return layer(x, residual, first, B, ptrs, dims, eps, scale, cos, sin, k_cache, v_cache, block_tables, width, lens,
-               cu_q, seqs, slots, num_slots, window, threads);
+                                 const int64_t* kv, const int32_t* block_tables, int64_t width, const int32_t* lens,
+                                 const int32_t* cu_q, int64_t seqs, const int64_t* slots, int64_t num_slots,
+                                 const int64_t* windows, int threads, int64_t* failed) {
+  return pagemill::each_layer(layers, tables, kv, windows, failed,
+                              [&](int64_t i, const int64_t* ptrs, void* k, void* v, int64_t window) {
+                                return layer(x, residual, i == 0, B, ptrs, dims, eps, scale, cos, sin, (bf16*)k,
+                                             (bf16*)v, block_tables, width, lens, cu_q, seqs, slots, num_slots,
+                                             window, threads);
+                              });
 }
 }

@@ -1,4 +1,4 @@
-"""Batched bf16 steps through one compiled call per layer (cpu_kernels/decode_batched.cpp).
+"""Batched bf16 steps through one compiled call for all layers (cpu_kernels/decode_batched.cpp).
 
 Why: from ~5 sequences a bf16 decode step takes the module path, whose
 linears run gemm_bf16's tiles at close to the cores' multiply rate, but each
@@ -34,7 +34,7 @@ from torch import nn
 
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.cpu_kernels import DecodeKernels
-from pagemill.models.fused_decode import LayerDims, step_tables
+from pagemill.models.fused_decode import LayerDims, pool_pointers, step_tables
 from pagemill.models.layers import MLP, RMSNorm
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -50,7 +50,8 @@ class BatchedDecoder:
                                 attn.head_dim, mlp.intermediate_size])  # fmt: skip
         self._held: list[torch.Tensor] = []  # what the tables point at, kept alive
         self._tables = [self._pointer_table(layer) for layer in layers]
-        self._windows = [layer.self_attn.sliding_window or 0 for layer in layers]
+        self._table_addrs = torch.tensor([t.data_ptr() for t in self._tables], dtype=torch.int64)
+        self._windows = torch.tensor([layer.self_attn.sliding_window or 0 for layer in layers], dtype=torch.int64)
         self._attn = layers[0].self_attn  # whose backend must be the compiled kernels' (see applies)
 
     @classmethod
@@ -131,17 +132,20 @@ class BatchedDecoder:
         tables, lens, slots = step_tables(meta)
         num_slots = k0.shape[0] * k0.shape[1]
         b, threads = x.shape[0], torch.get_num_threads()
+        kv = pool_pointers(kv_caches, len(self._tables), "batched decode")
         if meta.is_prefill:  # rows of prompt chunks: their sequences' row ranges come along
             cu = meta.cu_seqlens_q.to(torch.int32).contiguous()
-            fn, rows = self._kernels.prefill_batched_bf16, (cu.data_ptr(), meta.num_seqs)
+            cu_ptr, seqs = cu.data_ptr(), meta.num_seqs
         else:
-            fn, rows = self._kernels.batched_bf16, ()
-        for i, (ptrs, window, (k, v)) in enumerate(zip(self._tables, self._windows, kv_caches, strict=True)):
-            rc = fn(x.data_ptr(), residual.data_ptr(), int(i == 0), b, ptrs.data_ptr(), dims.data_ptr(), self._eps,
-                    self._scale, cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), tables.data_ptr(),
-                    tables.shape[1], lens.data_ptr(), *rows, slots.data_ptr(), num_slots, window, threads)  # fmt: skip
-            if rc >= 2:
-                raise IndexError(f"batched decode: slot {int(slots[rc - 2])} is outside the pool's {num_slots}")
-            if rc != 0:
-                raise ValueError(f"batched decode layer rejected its shapes (rc={rc})")
+            cu_ptr, seqs = None, b
+        failed = torch.zeros(1, dtype=torch.int64)
+        rc = self._kernels.batched_layers_bf16(
+            x.data_ptr(), residual.data_ptr(), b, len(self._tables), self._table_addrs.data_ptr(), dims.data_ptr(),
+            self._eps, self._scale, cos.data_ptr(), sin.data_ptr(), kv.data_ptr(), tables.data_ptr(),
+            tables.shape[1], lens.data_ptr(), cu_ptr, seqs, slots.data_ptr(), num_slots, self._windows.data_ptr(),
+            threads, failed.data_ptr())  # fmt: skip
+        if rc >= 2:
+            raise IndexError(f"batched decode: slot {int(slots[rc - 2])} is outside the pool's {num_slots}")
+        if rc != 0:
+            raise ValueError(f"batched decode layer {int(failed)} rejected its shapes (rc={rc})")
         return x, residual

@@ -95,6 +95,14 @@ class LayerDims:
         return dims
 
 
+def pool_pointers(kv_caches: Sequence[KVCache], layers: int, who: str) -> torch.Tensor:
+    """The layers' pools as the whole-model calls take them: [k0, v0, k1, v1, ...] addresses
+    (cpu_kernels/each_layer.h); one (k, v) pair per layer or ValueError, before anything runs."""
+    if len(kv_caches) != layers:
+        raise ValueError(f"{who}: {len(kv_caches)} KV caches for {layers} layers")
+    return torch.tensor([t.data_ptr() for pair in kv_caches for t in pair], dtype=torch.int64)
+
+
 def step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(block tables int32, context lens int32, slot mapping int64), contiguous, as the compiled
     decode layers read a step's metadata."""
@@ -131,7 +139,8 @@ class FusedDecoder:
         self._held: list[torch.Tensor] = []
         self._tables = [self._pointer_table(layer) for layer in layers]
         # Each layer's sliding window (0: global), as the kernel takes it.
-        self._windows = [layer.self_attn.sliding_window or 0 for layer in layers]
+        self._table_addrs = torch.tensor([t.data_ptr() for t in self._tables], dtype=torch.int64)
+        self._windows = torch.tensor([layer.self_attn.sliding_window or 0 for layer in layers], dtype=torch.int64)
 
     @classmethod
     def build(cls, model: nn.Module, kernels: DecodeKernels | None) -> "FusedDecoder | None":
@@ -209,18 +218,17 @@ class FusedDecoder:
         cos, sin = cos.float().contiguous(), sin.float().contiguous()
         dims = self._dims(kv_caches[0][0].shape[1])
         tables, lens, slots = step_tables(meta)
-        b = x.shape[0]
-        args = (dims.data_ptr(), self._eps, self._scale, cos.data_ptr(), sin.data_ptr())
-        rest = (tables.data_ptr(), tables.shape[1], lens.data_ptr(), slots.data_ptr(), torch.get_num_threads())
+        kv = pool_pointers(kv_caches, len(self._tables), "fused decode")
+        failed = torch.zeros(1, dtype=torch.int64)
+        args = (x.data_ptr(), x.shape[0], len(self._tables), self._table_addrs.data_ptr(), dims.data_ptr(), self._eps,
+                self._scale, cos.data_ptr(), sin.data_ptr(), kv.data_ptr(), tables.data_ptr(), tables.shape[1],
+                lens.data_ptr(), slots.data_ptr(), self._windows.data_ptr(), torch.get_num_threads())  # fmt: skip
         if self.int8:
-            layer, rest = self._kernels.layer_int8, (*rest, int(self.dtype == torch.bfloat16))
+            rc = self._kernels.layers_int8(*args, int(self.dtype == torch.bfloat16), failed.data_ptr())
         elif self.dtype == torch.bfloat16:
-            layer, rest = self._kernels.layer_bf16, (*rest, BF16_MUL[self.mul])
+            rc = self._kernels.layers_bf16(*args, BF16_MUL[self.mul], failed.data_ptr())
         else:
-            layer = self._kernels.layer
-        for ptrs, window, (k, v) in zip(self._tables, self._windows, kv_caches, strict=True):
-            rc = layer(x.data_ptr(), b, ptrs.data_ptr(), *args, k.data_ptr(), v.data_ptr(), *rest[:4], window,
-                       *rest[4:])
-            if rc != 0:
-                raise ValueError(f"fused decode layer rejected its shapes (rc={rc})")
+            rc = self._kernels.layers(*args, failed.data_ptr())
+        if rc != 0:
+            raise ValueError(f"fused decode layer {int(failed)} rejected its shapes (rc={rc})")
         return x.to(self.dtype)
