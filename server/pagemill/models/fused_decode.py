@@ -138,8 +138,8 @@ class FusedDecoder:
                                 attn.head_dim, mlp.intermediate_size])  # fmt: skip
         self._held: list[torch.Tensor] = []
         self._tables = [self._pointer_table(layer) for layer in layers]
-        # Each layer's sliding window (0: global), as the kernel takes it.
         self._table_addrs = torch.tensor([t.data_ptr() for t in self._tables], dtype=torch.int64)
+        # Each layer's sliding window (0: global), as the kernel takes it.
         self._windows = torch.tensor([layer.self_attn.sliding_window or 0 for layer in layers], dtype=torch.int64)
 
     @classmethod
