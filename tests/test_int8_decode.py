@@ -64,10 +64,11 @@ def compare_paths(model, ref_model, config, fused, batch: int, tie: float, steps
     module path. -> {"fused": [...], "module": [...]} of (relative errors per step, token
     mismatches beyond a near tie)."""
     dtype = model.model.embed_tokens.weight.dtype
-    harness = {"ref": PagedHarness(ref_model, config), "fused": PagedHarness(model, config, dtype=dtype),
-               "module": PagedHarness(model, config, dtype=dtype)}  # fmt: skip
+    blocks = 96 + 8 * batch  # the 24-sequence case needs more than the harness's default
+    harness = {"ref": PagedHarness(ref_model, config, blocks), "fused": PagedHarness(model, config, blocks, dtype=dtype),
+               "module": PagedHarness(model, config, blocks, dtype=dtype)}  # fmt: skip
     run = {"ref": None, "fused": fused, "module": None}
-    p = prompts(config.vocab_size, LENGTHS[:batch])
+    p = prompts(config.vocab_size, [LENGTHS[i % len(LENGTHS)] + 2 * (i // len(LENGTHS)) for i in range(batch)])
     seqs = {i: p[i] for i in range(max(batch - 1, 1))}
     late = {batch - 1: p[batch - 1]} if batch > 1 else {}
     found = {k: ([], []) for k in ("fused", "module")}
@@ -101,7 +102,8 @@ def compare_paths(model, ref_model, config, fused, batch: int, tie: float, steps
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("batch", [1, 2, 4, 8])
+# 12: past the dense layers' 8 rows; 16: the team quantizes each input once (Int8Linears).
+@pytest.mark.parametrize("batch", [1, 2, 4, 8, 12, 16])
 def test_int8_fused_decode_matches_module_path(tiny_model, dtype, batch):
     name, model_dir, _ = tiny_model
     model, config = load_model(model_dir, dtype, "cpu", quantize="int8")
@@ -140,6 +142,35 @@ def test_int8_fused_layer_portable_build_matches_native(llama_dir, flags):
         for sid in seqs:  # same integer sums, same float32 order outside the linears
             torch.testing.assert_close(out[sid], ref[sid], rtol=1e-5, atol=1e-5)
             seqs[sid] = seqs[sid] + [int(ref[sid].argmax())]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_int8_fused_layer_rows_do_not_depend_on_the_batch(llama_dir, dtype):
+    """24 sequences in one fused call (the team quantizes each linear's input once, rows shared)
+    give each sequence the logits that three calls of 8 give it, bit for bit: every row's
+    quantization, integer sums, norms and attention are its own."""
+    model, config = load_model(llama_dir, dtype, "cpu", quantize="int8")
+    fused = model.model.fused
+    assert fused is not None and fused.max_batch >= 24
+    spy = Spy(fused)
+    blocks = 400
+    a, b = PagedHarness(model, config, blocks, dtype=getattr(torch, dtype)), \
+        PagedHarness(model, config, blocks, dtype=getattr(torch, dtype))  # fmt: skip
+    seqs = dict(enumerate(prompts(config.vocab_size, [3 + 5 * i % 17 for i in range(24)])))
+    model.model.fused = None
+    for sid, lg in a.prefill(seqs).items():
+        b.prefill({sid: seqs[sid]})
+        seqs[sid] = seqs[sid] + [int(lg[-1].argmax())]
+    model.model.fused = spy
+    for _ in range(6):
+        whole = a.decode(seqs)
+        parts = {}
+        for g in range(3):
+            parts |= b.decode({sid: seqs[sid] for sid in range(8 * g, 8 * g + 8)})
+        for sid in seqs:
+            assert torch.equal(whole[sid], parts[sid]), f"sequence {sid}"
+            seqs[sid] = seqs[sid] + [int(whole[sid].argmax())]
+    assert spy.calls == 6 * 4, "every decode step takes the fused int8 layer"
 
 
 def test_int8_fused_not_built_without_kernel(llama_dir):

@@ -112,6 +112,7 @@ class DecodeKernels:
         self.layers_int8.restype = ctypes.c_int
         self.layers_int8.argtypes = layers + [ctypes.c_int, vp]
         self.layer_int8_ptrs = int(lib.pagemill_decode_layer_int8_ptrs())
+        self.layer_int8_max_rows = int(lib.pagemill_decode_layer_int8_max_rows())
         self.layer_ptrs = int(lib.pagemill_decode_layer_ptrs())
         self.layer_dims = int(lib.pagemill_decode_layer_dims())
         self.layer_max_rows = int(lib.pagemill_decode_layer_max_rows())

@@ -37,6 +37,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "bf16_row_ops.h"  // silu16
 #include "bf16_rows.h"
 #include "each_layer.h"
 #include "int8_rows.h"
@@ -144,6 +145,10 @@ void linear_share(const Rows& x, const T* w, const T* bias, float* y, int64_t N,
 }
 
 constexpr int kMaxLayerRows = 8;
+// int8 linears are int8_rows.h's share(), on AMX tiles from 8 rows, so the int8 layer takes
+// batches up to this (its scratch grows with the rows; models/fused_decode.py says where the
+// shard uses it).
+constexpr int kMaxInt8Rows = 256;
 
 template <typename T>
 void linear(int64_t M, const Rows& x, const T* w, const T* bias, float* y, int64_t N, int64_t K, bool add,
@@ -160,6 +165,16 @@ void linear(int64_t M, const Rows& x, const T* w, const T* bias, float* y, int64
   }
 }
 
+// out[j] = silu(gate[j]) * up[j], float32 rows.
+inline void silu_mul_f32(const float* gate, const float* up, int64_t n, float* out) {
+  int64_t j = 0;
+#if defined(__AVX512F__)
+  for (; j + 16 <= n; j += 16)
+    _mm512_storeu_ps(out + j, _mm512_mul_ps(pagemill::rows::silu16(_mm512_loadu_ps(gate + j)), _mm512_loadu_ps(up + j)));
+#endif
+  for (; j < n; ++j) out[j] = gate[j] / (1.f + expf(-gate[j])) * up[j];
+}
+
 // Indices into the layer's pointer table (models/fused_decode.py builds it).
 enum Ptr { kInNorm, kQkvW, kQkvB, kOW, kPostNorm, kGateUpW, kGateUpB, kDownW, kDownB, kNumPtrs };
 // Indices into the dims table.
@@ -170,8 +185,11 @@ enum Lin { kQkv, kO, kGateUp, kDown };
 // The linears of a layer with T weights (ptrs: decode.cpp's Ptr table).
 template <typename T>
 struct DenseLinears {
+  static constexpr int64_t kMaxRows = kMaxLayerRows;
   const int64_t* ptrs;
   Bf16Mul mul;
+  struct Shared {};
+  Shared prepare(int64_t, int64_t) const { return {}; }
   // One thread's view inside the layer's parallel region: y (+)= in W^T + b
   // for its share of the outputs (balance's), ending on a barrier.
   struct Thread {
@@ -184,7 +202,7 @@ struct DenseLinears {
       linear(B, Rows{in, prep, d.mul}, reinterpret_cast<const T*>(d.ptrs[w[l]]), bias, y, N, K, add, balance);
     }
   };
-  Thread thread(int64_t B, int64_t widest, pagemill::balance::TeamBalance* balance) const {
+  Thread thread(int64_t B, int64_t widest, pagemill::balance::TeamBalance* balance, Shared) const {
     static thread_local std::vector<float> prep;  // this thread's bf16_rows.h copy of a linear's input
     if (!std::is_same_v<T, float>) prep.resize(pagemill::prepared_bytes(B, widest) / sizeof(float));
     return Thread{*this, prep.data(), balance};
@@ -196,36 +214,63 @@ struct DenseLinears {
 // entries: packed weight, w_scale, w_corr, bias (float32 or 0), rotate.
 constexpr int kInt8Norms = 2, kInt8Entry = 5, kInt8Ptrs = kInt8Norms + 4 * kInt8Entry;
 struct Int8Linears {
+  static constexpr int64_t kMaxRows = kMaxInt8Rows;
+  // Rows from which the team quantizes a linear's input once, a share of the rows each, into
+  // buffers they all read (Shared), ending on a barrier. Below, each thread quantizes every
+  // row itself, so no thread waits for another before its share of the product; at 64 rows
+  // that duplicate work would be ~2 ms a step (the down projection's rows are rotated first).
+  static constexpr int64_t kSharedRows = 16;
   const int64_t* ptrs;
-  // Each thread quantizes the input rows itself (B x K, nothing next to the
-  // weights), so no thread waits for another before its share of the product.
+  struct Shared {
+    uint8_t* xu = nullptr;
+    float* x_scale = nullptr;
+  };
+  // Before the layer's region (one caller thread: the shard's model runner).
+  Shared prepare(int64_t B, int64_t widest) const {
+    if (B < kSharedRows) return {};
+    static thread_local pagemill::line_vector<uint8_t> xu;
+    static thread_local std::vector<float> scale;
+    xu.resize(B * ((widest + 3) / 4 * 4));
+    scale.resize(B);
+    return {xu.data(), scale.data()};
+  }
   struct Thread {
     const Int8Linears& d;
     uint8_t* xu;
     float* x_scale;
     float* tmp;
+    Shared shared;
     pagemill::balance::TeamBalance* balance;
     void operator()(Lin l, int64_t B, const float* in, float* y, int64_t N, int64_t K, bool add) const {
       const int64_t* e = d.ptrs + kInt8Norms + kInt8Entry * l;
       const int64_t Kp = (K + 3) / 4 * 4;
-      for (int64_t m = 0; m < B; ++m)
-        x_scale[m] = pagemill::int8::quantize_row(in + m * K, false, K, Kp, e[4], xu + m * Kp, tmp);
-      pagemill::int8::Args a{xu, x_scale, (const int8_t*)e[0], (const float*)e[1], (const int32_t*)e[2],
+      uint8_t* q = xu;
+      float* s = x_scale;
+      if (shared.xu) {
+        q = shared.xu, s = shared.x_scale;
+#pragma omp for schedule(static)
+        for (int64_t m = 0; m < B; ++m)
+          s[m] = pagemill::int8::quantize_row(in + m * K, false, K, Kp, e[4], q + m * Kp, tmp);
+      } else {
+        for (int64_t m = 0; m < B; ++m)
+          s[m] = pagemill::int8::quantize_row(in + m * K, false, K, Kp, e[4], q + m * Kp, tmp);
+      }
+      pagemill::int8::Args a{q, s, (const int8_t*)e[0], (const float*)e[1], (const int32_t*)e[2],
                              (const float*)e[3], y, false, B, N, Kp, add, balance};
       pagemill::int8::share(a, omp_get_thread_num(), omp_get_num_threads());
 #pragma omp barrier
     }
   };
-  Thread thread(int64_t B, int64_t widest, pagemill::balance::TeamBalance* balance) const {
+  Thread thread(int64_t B, int64_t widest, pagemill::balance::TeamBalance* balance, Shared shared) const {
     static thread_local std::vector<uint8_t> xu;
     static thread_local std::vector<float> f;
-    xu.resize(B * ((widest + 3) / 4 * 4));
-    f.resize(kMaxLayerRows + widest);
-    return Thread{*this, xu.data(), f.data(), f.data() + kMaxLayerRows, balance};
+    if (!shared.xu) xu.resize(B * ((widest + 3) / 4 * 4));
+    f.resize(B + widest);
+    return Thread{*this, xu.data(), f.data(), f.data() + B, shared, balance};
   }
 };
 
-// One decoder layer for B sequences of one new token each (B <= kMaxLayerRows).
+// One decoder layer for B sequences of one new token each (B <= L::kMaxRows).
 // x [B, H]: the float32 residual stream, updated in place. Norm weights and the
 // KV pool hold T; `lin` the linears (DenseLinears, Int8Linears). cos/sin [B, D]
 // float32. Token b's k/v are written at flat slot slots[b] before attention
@@ -239,7 +284,7 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
                  int threads) {
   const int64_t H = dims[kHidden], nh = dims[kHeads], nkv = dims[kKvHeads], D = dims[kHeadDim];
   const int64_t I = dims[kInter], bs = dims[kBlockSize];
-  if (B < 1 || B > kMaxLayerRows || nkv <= 0 || nh % nkv != 0) return 1;
+  if (B < 1 || B > L::kMaxRows || nkv <= 0 || nh % nkv != 0) return 1;
   int64_t max_len = 0;
   for (int64_t b = 0; b < B; ++b) {
     if (lens[b] <= 0) return 1;
@@ -272,12 +317,13 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
   // rotary + KV write run per kv head (with attention where not by spans).
   // The linears' shares of the team, adapted layer by layer (team_balance.h says why).
   pagemill::balance::TeamBalance* const balance = pagemill::balance::begin_team(threads);
+  const auto shared = lin.prepare(B, widest);
 #pragma omp parallel num_threads(threads)
   {
     static thread_local std::vector<float> own;  // this thread's normalised x [B, H]
     own.resize(B * H);
     float* xn = own.data();
-    const auto linear = lin.thread(B, widest, balance);
+    const auto linear = lin.thread(B, widest, balance, shared);
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, in_norm, eps, H, xn + b * H);
     linear(kQkv, B, xn, qkv, nqkv, H, false);
 #pragma omp for collapse(2) schedule(static)
@@ -308,10 +354,17 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
     linear(kO, B, attn, x, H, nq, true);  // residual add
     for (int64_t b = 0; b < B; ++b) rms_norm(x + b * H, post_norm, eps, H, xn + b * H);
     linear(kGateUp, B, xn, gu, 2 * I, H, false);
+    if constexpr (L::kMaxRows <= kMaxLayerRows) {
 #pragma omp for schedule(static)
-    for (int64_t i = 0; i < B * I; ++i) {
-      const float g = gu[(i / I) * 2 * I + i % I], u = gu[(i / I) * 2 * I + I + i % I];
-      act[i] = g / (1.f + expf(-g)) * u;  // silu(gate) * up
+      for (int64_t i = 0; i < B * I; ++i) {
+        const float g = gu[(i / I) * 2 * I + i % I], u = gu[(i / I) * 2 * I + I + i % I];
+        act[i] = g / (1.f + expf(-g)) * u;  // silu(gate) * up
+      }
+    } else {
+      // The int8 layer's batches: 16 lanes at a time (expf one by one took ~2 ms of a 64-row
+      // step), at every batch size, so a row's result does not depend on its batch.
+#pragma omp for schedule(static)
+      for (int64_t b = 0; b < B; ++b) silu_mul_f32(gu + b * 2 * I, gu + b * 2 * I + I, I, act + b * I);
     }
     linear(kDown, B, act, x, H, I, true);  // residual add
   }
@@ -368,6 +421,7 @@ int pagemill_decode_layers_bf16(float* x, int64_t B, int64_t layers, const int64
 }
 
 int pagemill_decode_layer_int8_ptrs() { return kInt8Ptrs; }
+int pagemill_decode_layer_int8_max_rows() { return kMaxInt8Rows; }
 
 // The layers of an int8 model (Int8Linears' tables): norms and caches float32 (kv_bf16 0) or
 // bfloat16 (1), x and cos/sin float32. Each linear's rotate is 0 or a power of two dividing

@@ -75,8 +75,14 @@ FUSED_MAX_BATCH_BF16_AMX = 1
 # int8 weights: the layer's maximum. The module path runs the same int8 kernel per linear plus
 # ~25 torch ops per layer; measured (benchmarks/int8_speed.py --fused-ab, 1 thread, rest bf16,
 # shared machine; docs/quantization.md) fused vs module path: batch 1 20.9 vs 35.3 ms, 4: 33.1
-# vs 47.7, 8: 64.5 vs 87.4.
-FUSED_MAX_BATCH_INT8 = 8
+# vs 47.7, 8: 64.5 vs 87.4. From 8 rows its linears run on AMX-INT8 tiles (int8_amx.h), the
+# module path's too, and the layer keeps its lead at larger batches (2 threads, AMX Xeon,
+# 2026-12-06): 16: 11.2 vs 20.0 ms, 32: 16.3 vs 22.9, 64: 28.1 vs 35.5; so it takes every decode
+# step up to its maximum (docs/quantization.md).
+FUSED_MAX_BATCH_INT8 = 256
+# Batches up to which the shard's thread chooser (shard/threads.py) may run a fused step on
+# one thread: the small ones, where two threads' barriers can cost more than they gain.
+FUSED_MAX_SMALL_BATCH = 8
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -128,7 +134,8 @@ class FusedDecoder:
             bound = FUSED_MAX_BATCH_BF16
         else:
             bound = FUSED_MAX_BATCH_BF16_AMX if gemm.amx else FUSED_MAX_BATCH_BF16_GEMM
-        self.max_batch = min(bound, kernels.layer_max_rows)
+        self.max_batch = min(bound, kernels.layer_int8_max_rows if int8 else kernels.layer_max_rows)
+        self.max_small_batch = min(self.max_batch, FUSED_MAX_SMALL_BATCH)
         # bf16 only: how the linears multiply (cpu_kernels.BF16_MUL; benchmarks switch it).
         self.mul = "auto"
         first = layers[0]

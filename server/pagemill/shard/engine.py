@@ -207,7 +207,7 @@ class ModelRunner:
         if not self.adaptive_threads or self.speculate:
             return None
         fused = getattr(getattr(self.model, "model", None), "fused", None)
-        if fused is None or self.kv_dtype != fused.dtype or len(live) > fused.max_batch or not is_decode_step(live):
+        if fused is None or self.kv_dtype != fused.dtype or len(live) > fused.max_small_batch or not is_decode_step(live):
             return None
         choice = self.thread_choices.get(len(live))
         if choice is None:
