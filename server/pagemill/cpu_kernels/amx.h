@@ -135,8 +135,9 @@ void walk(const void* weights, int64_t first, int64_t last, int64_t M, int64_t c
 // steps of 64 bytes of k, summed by Dp::dp<C>(), the element type's tile product into sums
 // tile C (4: row tile 0 x block 0, 5: 0 x 1, 6: 1 x 0, 7: 1 x 1); ahead's lines asked for into
 // L2 along the way. store() then writes the sums: [32 rows][2 blocks][16] 4-byte lanes, 128
-// bytes a row.
-template <class Dp, bool TWO_ROWS, int NB>
+// bytes a row. kStreamW: the weight tiles load with the streaming hint (tileloaddt1), so they
+// do not push the activation rows out of L1 (see gemm_amx.h).
+template <class Dp, bool TWO_ROWS, int NB, bool kStreamW = false>
 void multiply(const char* w, int64_t block_bytes, const char* x, int64_t ldx, int64_t steps, Ahead ahead) {
   const int64_t per = (ahead.lines + steps - 1) / steps;  // lines asked for per step
   const char* x1 = x + 16 * ldx;
@@ -148,8 +149,13 @@ void multiply(const char* w, int64_t block_bytes, const char* x, int64_t ldx, in
   }
   for (int64_t s = 0; s < steps; ++s) {
     for (int64_t q = s * per; q < (s + 1) * per && q < ahead.lines; ++q) _mm_prefetch(ahead.p + 64 * q, _MM_HINT_T1);
-    _tile_loadd(2, w + s * 1024, 64);
-    if constexpr (NB == 2) _tile_loadd(3, w + block_bytes + s * 1024, 64);
+    if constexpr (kStreamW) {
+      _tile_stream_loadd(2, w + s * 1024, 64);
+      if constexpr (NB == 2) _tile_stream_loadd(3, w + block_bytes + s * 1024, 64);
+    } else {
+      _tile_loadd(2, w + s * 1024, 64);
+      if constexpr (NB == 2) _tile_loadd(3, w + block_bytes + s * 1024, 64);
+    }
     _tile_loadd(0, x + s * 64, ldx);
     Dp::template dp<4>();
     if constexpr (NB == 2) Dp::template dp<5>();

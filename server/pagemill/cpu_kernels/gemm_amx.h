@@ -52,11 +52,17 @@ struct DpBf16 {
 // Rows [m0, m0 + rows0 + rows1) x blocks [b0, b0 + NB): K / 32 steps of up to 4 tile multiplies,
 // then the previous tile's epilogue (pending), then this one's sums into `sums` as the new
 // pending. ahead: weight lines asked for into L2 along the way (amx::walk).
+// The weight tiles load with the streaming hint: each weight row serves the rows of one walk
+// step and is not read again from L1, while the activation rows are, pair after pair; loaded
+// plainly, the weights pushed them out. Measured (2026-12-06, weights from a 600 MB ring in
+// huge pages, 2 threads, docs/cpu.md): 24-32 rows 0.92-0.94x on qkv, o_proj and gate_up,
+// 256-2044 rows (prefill) 0.79-0.90x on those and 0.97-1.0x on down (K 1536: its rows do not
+// fit L1 either way).
 template <bool TWO_ROWS, int NB>
 void amx_tile(const Args& a, int64_t m0, int rows0, int rows1, int64_t b0, float* sums, amx::Ahead ahead,
               Pending& pending) {
   const int64_t block_bytes = a.K * kBlock * (int64_t)sizeof(bf16), ldx = a.ldx * (int64_t)sizeof(bf16);
-  amx::multiply<DpBf16, TWO_ROWS, NB>((const char*)a.w + b0 * block_bytes, block_bytes,
+  amx::multiply<DpBf16, TWO_ROWS, NB, true>((const char*)a.w + b0 * block_bytes, block_bytes,
                                       (const char*)(a.x + m0 * a.ldx), ldx, a.K / 32, ahead);
   pending.flush(a);
   amx::store<TWO_ROWS, NB>(sums);
