@@ -8,6 +8,7 @@ import torch
 
 from conftest import build_model_dir
 from pagemill.cpu_kernels import decode_kernels
+from pagemill.models.fused_decode import FUSED_MAX_SMALL_BATCH
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
 from pagemill.shard.engine import ModelRunner
@@ -122,3 +123,30 @@ def test_tokens_do_not_depend_on_the_chosen_count(model_dir):
     for rid, r in ref.items():
         assert out[rid].ids == r.ids
         assert out[rid].logprobs == r.logprobs  # bit for bit: each row is one thread's work
+
+
+def test_large_int8_fused_steps_keep_all_threads(model_dir):
+    """The int8 fused layer takes up to 256 sequences, but only its small steps go to the
+    chooser: a 12-sequence step runs on every thread, untried on one."""
+    if decode_kernels() is None:
+        pytest.skip("no compiled CPU kernels here")
+    model, config = load_model(model_dir, cpu_kernels=True, quantize="int8")
+    fused = model.model.fused
+    if fused is None or not fused.int8:
+        pytest.skip("no int8 fused layer here")
+    assert fused.max_batch >= 12 and fused.max_small_batch == FUSED_MAX_SMALL_BATCH
+    runner = ModelRunner(model, config, block_size=16, kv_cache_memory=1 << 24, model_dir=model_dir,
+                         cpu_kernels=True, adaptive_threads=True)  # fmt: skip
+    runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=256, max_input_tokens=32, max_total_tokens=64,
+                                   max_batch_size=12))  # fmt: skip
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        router = FakeRouter.for_runner(runner)
+        for rid in range(12):
+            router.add(rid, [5 + rid, 17, 99], 6, ignore_eos=True)
+        out = router.run()
+    finally:
+        torch.set_num_threads(before)
+    assert all(len(o.ids) == 6 for o in out.values())
+    assert 12 not in runner.thread_choices and set(runner.thread_choices) <= set(range(1, FUSED_MAX_SMALL_BATCH + 1))

@@ -135,7 +135,6 @@ class FusedDecoder:
         else:
             bound = FUSED_MAX_BATCH_BF16_AMX if gemm.amx else FUSED_MAX_BATCH_BF16_GEMM
         self.max_batch = min(bound, kernels.layer_int8_max_rows if int8 else kernels.layer_max_rows)
-        self.max_small_batch = min(self.max_batch, FUSED_MAX_SMALL_BATCH)
         # bf16 only: how the linears multiply (cpu_kernels.BF16_MUL; benchmarks switch it).
         self.mul = "auto"
         first = layers[0]
@@ -206,6 +205,11 @@ class FusedDecoder:
         self._held += [t for t in entries if isinstance(t, torch.Tensor)]
         return torch.tensor([t.data_ptr() if isinstance(t, torch.Tensor) else t or 0 for t in entries],
                             dtype=torch.int64)  # fmt: skip
+
+    @property
+    def max_small_batch(self) -> int:
+        """The batches the shard's thread chooser may run on one thread (FUSED_MAX_SMALL_BATCH)."""
+        return min(self.max_batch, FUSED_MAX_SMALL_BATCH)
 
     def applies(self, x: torch.Tensor, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> bool:
         n = x.shape[0]
