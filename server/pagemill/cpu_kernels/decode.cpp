@@ -217,8 +217,9 @@ struct Int8Linears {
   static constexpr int64_t kMaxRows = kMaxInt8Rows;
   // Rows from which the team quantizes a linear's input once, a share of the rows each, into
   // buffers they all read (Shared), ending on a barrier. Below, each thread quantizes every
-  // row itself, so no thread waits for another before its share of the product; at 64 rows
-  // that duplicate work would be ~2 ms a step (the down projection's rows are rotated first).
+  // row itself, so no thread waits for another before its share of the product; with many
+  // rows that duplicate work (the down projection's rows are rotated first) grows with the
+  // batch while each thread's share of the product does not.
   static constexpr int64_t kSharedRows = 16;
   const int64_t* ptrs;
   struct Shared {
@@ -361,8 +362,9 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
         act[i] = g / (1.f + expf(-g)) * u;  // silu(gate) * up
       }
     } else {
-      // The int8 layer's batches: 16 lanes at a time (expf one by one took ~2 ms of a 64-row
-      // step), at every batch size, so a row's result does not depend on its batch.
+      // The int8 layer's batches: 16 lanes at a time (expf is one call per element, and the
+      // int8 layer takes up to 256 rows), at every batch size, so a row's result does not
+      // depend on its batch.
 #pragma omp for schedule(static)
       for (int64_t b = 0; b < B; ++b) silu_mul_f32(gu + b * 2 * I, gu + b * 2 * I + I, I, act + b * I);
     }

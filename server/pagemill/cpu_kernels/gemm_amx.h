@@ -55,7 +55,7 @@ struct DpBf16 {
 // The weight tiles load with the streaming hint: each weight row serves the rows of one walk
 // step and is not read again from L1, while the activation rows are, pair after pair; loaded
 // plainly, the weights pushed them out. Measured (2026-12-06, weights from a 600 MB ring in
-// huge pages, 2 threads, docs/cpu.md): 24-32 rows 0.92-0.94x on qkv, o_proj and gate_up,
+// huge pages, 2 threads, docs/cpu.md): 24 rows 0.93-0.94x on qkv, o_proj and gate_up,
 // 256-2044 rows (prefill) 0.79-0.90x on those and 0.97-1.0x on down (K 1536: its rows do not
 // fit L1 either way).
 template <bool TWO_ROWS, int NB>
