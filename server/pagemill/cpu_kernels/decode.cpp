@@ -306,7 +306,9 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
 #endif
   // Scratch shared by the threads of the region below; kept between calls.
   static thread_local std::vector<float> buf;
-  const int64_t score_floats = by_spans ? 0 : B * nh * max_len;
+  // Without spans, attention's scores: one (sequence, kv head) task at a time per thread, so
+  // a scratch per thread (the int8 layer's batches reach 256 sequences).
+  const int64_t score_floats = by_spans ? 0 : threads * group * max_len;
   buf.resize(B * (nqkv + nq + 2 * I + I) + score_floats + part_floats);
   float *qkv = buf.data(), *attn = qkv + B * nqkv, *gu = attn + B * nq, *act = gu + B * 2 * I;
   float *scores = act + B * I, *parts = scores + score_floats;
@@ -342,7 +344,7 @@ int decode_layer(float* x, int64_t B, const T* in_norm, const T* post_norm, cons
         if (by_spans) continue;
         const PagedKV<T> kv{k_cache, v_cache, block_tables + b * width, bs, nkv, D};
         attend_group(q, D, group, kv, j, first_key(lens[b], window), lens[b], scale,
-                     scores + (b * nh + j * group) * max_len,
+                     scores + omp_get_thread_num() * group * max_len,
                      attn + b * nq + j * group * D, D);
       }
     }
