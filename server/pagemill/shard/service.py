@@ -123,7 +123,7 @@ class ShardService:
             async with self.lock:
                 with self._steps_lock:
                     self._steps.append(entry)
-                self.model_thread.submit(self._drain, loop)
+                self.model_thread.submit(self._drain)
             return await entry[1]
         finally:
             self._stepping -= 1
@@ -138,17 +138,21 @@ class ShardService:
                     return self._steps.pop(i)
         return None
 
-    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the model thread: every queued step that may run, in order."""
+    def _drain(self) -> None:
+        """On the model thread: every queued step that may run, in order. Each answer goes to
+        its own call's event loop: a drain may pick up a step queued after the one that
+        submitted it, from another loop (a caller that runs each call in its own loop)."""
         while (entry := self._next_step()) is not None:
             request, done = entry
             self._last_step_id = request.step_id
             try:
-                result = self.runner.step(request)
+                result, error = self.runner.step(request), None
             except BaseException as e:  # the step's own error, answered by its call
-                loop.call_soon_threadsafe(_settle, done, None, e)
-            else:
-                loop.call_soon_threadsafe(_settle, done, result, None)
+                result, error = None, e
+            try:
+                done.get_loop().call_soon_threadsafe(_settle, done, result, error)
+            except RuntimeError:  # that call's loop has closed: nobody waits for the answer
+                pass
 
     # --- registration ----------------------------------------------------------------
 
