@@ -22,6 +22,8 @@
 // 0..cached + i) and the sliding window (key > query - window) are per-row
 // key ranges; a tile streams from its first row's first key to its last
 // row's position, and a row group skips the chunks none of its rows sees.
+// With AMX-BF16 (bf16, head size 64, 128 or 256) both products run on tiles and
+// the softmax is updated once a block of four chunks (prefill_tile_amx.h).
 // One-token tiles (decode rows of a mixed step) go through the decode kernel
 // (attend_group). Without AVX-512 (or a head_dim prefill_tile does not dispatch:
 // not 16..128 in steps of 16, 160, 192 or 256) a scalar loop computes the same
@@ -210,13 +212,16 @@ inline void pack_values(const T* const* rows, int64_t n, void* dst) {
   }
 }
 
-// kAmx: both products on AMX tiles (prefill_attention_amx.h; bf16, D 64, 128 or 256), the
-// rest as it is.
-template <typename T, int NV, bool kAmx = false>
-void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch& w) {
+// What a tile's setup leaves to its key walk: query rows, row groups, keys lo..hi-1.
+struct TileWalk {
+  int64_t rows, groups, lo, hi;
+};
+
+// A tile's setup: queries transposed per row group, running max / sum / output
+// zeroed, each row's key range, and the rows' offsets in the pool (w.offs, from lo).
+template <typename T, int NV, bool kDp>
+TileWalk begin_tile(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch& w) {
   constexpr int D = 16 * NV;
-  constexpr bool kDp = kPrefillDp<T>;
-  static_assert(!kAmx || (kDp && D % 64 == 0), "the tiles take bf16 pairs, 64 dims a values pass");
   const int64_t rows = (t.i1 - t.i0) * t.group, groups = (rows + 15) / 16, R = 16 * groups;
   // Queries transposed per row group: [group][D/2 pairs or D dims][16 lanes].
   // The tile's query rows are read once, from wherever the projection left them: ask for
@@ -229,9 +234,6 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
   w.corr.resize(R);
   w.rlo.assign(R, 0);
   w.rhi.assign(R, 0);  // padding rows see no key
-  w.kb.resize(16 * D);  // the chunk's keys, contiguous (bf16 rows for kDp, else float32)
-  w.vf.resize(16 * D + 16 * NV);
-  w.s.resize(16 * 16);  // one row group's probabilities
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = t.i0 + r / t.group, g = r % t.group, lane = r % 16;
     const T* src = t.q + i * t.q_stride + g * D;
@@ -248,11 +250,37 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
   const int64_t lo = first_key(t.cached + t.i0 + 1, t.window), hi = t.cached + t.i1;
   w.offs.resize(hi - lo);
   kv.rows(lo, hi, t.kv_head, w.offs.data());
+  return {rows, groups, lo, hi};
+}
+
+// A tile's end: each row's output divided by its sum, stored in the pool's dtype.
+template <typename T, int NV>
+void end_tile(const PrefillTile<T>& t, const PrefillScratch& w, int64_t rows) {
+  constexpr int D = 16 * NV;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = t.i0 + r / t.group, g = r % t.group;
+    T* dst = t.out + i * t.out_stride + g * D;
+    const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
+    for (int c = 0; c < NV; ++c) {
+      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D + 16 * c), inv);
+      if constexpr (std::is_same_v<T, bf16>)
+        _mm256_storeu_si256((__m256i*)(dst + 16 * c), narrow_bf16(x));
+      else
+        _mm512_storeu_ps((float*)(dst + 16 * c), x);
+    }
+  }
+}
+
+template <typename T, int NV>
+void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch& w) {
+  constexpr int D = 16 * NV;
+  constexpr bool kDp = kPrefillDp<T>;
+  const auto [rows, groups, lo, hi] = begin_tile<T, NV, kDp>(t, kv, w);
+  w.kb.resize(16 * D);  // the chunk's keys, contiguous (bf16 rows for kDp, else float32)
+  w.vf.resize(16 * D + 16 * NV);
+  w.s.resize(16 * 16);  // one row group's probabilities
   alignas(64) static const float zero[256] = {};
   const __m512 scale = _mm512_set1_ps(t.scale);
-#if defined(PAGEMILL_AMX_ATTENTION)
-  if constexpr (kAmx) prefill_amx::configure();
-#endif
   for (int64_t c0 = lo; c0 < hi; c0 += kKeyChunk) {
     const int64_t n = std::min<int64_t>(kKeyChunk, hi - c0);
     const int64_t* offs = w.offs.data() + (c0 - lo);
@@ -264,7 +292,7 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
     }
     const T* vrows[16];
     for (int64_t j = 0; j < 16; ++j) vrows[j] = j < n ? kv.v + offs[j] : (const T*)zero;
-    pack_values<T, kDp, NV>(vrows, kAmx ? 16 : n, w.vf.data());  // (the tiles read all 8 pairs)
+    pack_values<T, kDp, NV>(vrows, n, w.vf.data());
     if constexpr (kDp) {
       bf16* kb = (bf16*)w.kb.data();
       for (int64_t j = 0; j < 16; ++j) memcpy(kb + j * D, j < n ? (const void*)(kv.k + offs[j]) : (const void*)zero, D * 2);
@@ -276,12 +304,7 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
     for (int64_t rg = 0; rg < groups; ++rg) {
       if (c0 >= w.rhi[std::min(16 * rg + 15, rows - 1)] || c0 + n <= w.rlo[16 * rg]) continue;  // sees none of it
       __m512 acc[16];
-#if defined(PAGEMILL_AMX_ATTENTION)
-      if constexpr (kAmx)
-        prefill_amx::scores<D>(w.q.data() + rg * 16 * D, w.kb.data(), acc);
-      else
-#endif
-        chunk_scores<kDp, D>(w.q.data() + rg * 16 * D, w.kb.data(), acc);
+      chunk_scores<kDp, D>(w.q.data() + rg * 16 * D, w.kb.data(), acc);
       // Online softmax, the 16 rows in the lanes: row r sees key c0 + j when rlo[r] <= c0 + j < rhi[r].
       const __m512i rlo = _mm512_loadu_si512((const void*)(w.rlo.data() + 16 * rg));
       const __m512i rhi = _mm512_loadu_si512((const void*)(w.rhi.data() + 16 * rg));
@@ -320,34 +343,18 @@ void prefill_tile_avx512(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillS
       }
       constexpr int RB = kValueRows<NV>;
       const int64_t rmax = std::min<int64_t>(16, rows - 16 * rg);  // padding rows: no value pass
-#if defined(PAGEMILL_AMX_ATTENTION)
-      if constexpr (kAmx) {
-        prefill_amx::values<NV>(w.s.data(), w.vf.data(), w.corr.data() + 16 * rg, rmax, w.o.data() + 16 * rg * D);
-        continue;
-      }
-#endif
       for (int64_t r = 0; r < rmax; r += RB)
         chunk_values<kDp, NV, RB>(w.s.data(), w.vf.data(), n, w.corr.data() + 16 * rg, r,
                                   w.o.data() + (16 * rg + r) * D);
     }
   }
-#if defined(PAGEMILL_AMX_ATTENTION)
-  if constexpr (kAmx) prefill_amx::release();
-#endif
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = t.i0 + r / t.group, g = r % t.group;
-    T* dst = t.out + i * t.out_stride + g * D;
-    const __m512 inv = _mm512_set1_ps(1.f / w.l[r]);
-    for (int c = 0; c < NV; ++c) {
-      const __m512 x = _mm512_mul_ps(_mm512_loadu_ps(w.o.data() + r * D + 16 * c), inv);
-      if constexpr (std::is_same_v<T, bf16>)
-        _mm256_storeu_si256((__m256i*)(dst + 16 * c), narrow_bf16(x));
-      else
-        _mm512_storeu_ps((float*)(dst + 16 * c), x);
-    }
-  }
+  end_tile<T, NV>(t, w, rows);
 }
 #endif
+
+}  // namespace pagemill
+#include "prefill_tile_amx.h"  // (it uses the tile's pieces above)
+namespace pagemill {
 
 // A tile of one token (a decode row in a mixed step, or a one-token chunk): its
 // `group` rows would fill a row group of 16 lanes mostly with padding, so they go
@@ -383,9 +390,9 @@ void prefill_tile(const PrefillTile<T>& t, const PagedKV<T>& kv, PrefillScratch&
   if constexpr (kPrefillDp<T>) {
     if (prefill_takes_amx(kv.head_dim)) {
       switch (kv.head_dim / 32) {
-        case 2: return prefill_tile_avx512<T, 4, true>(t, kv, w);
-        case 4: return prefill_tile_avx512<T, 8, true>(t, kv, w);
-        case 8: return prefill_tile_avx512<T, 16, true>(t, kv, w);
+        case 2: return prefill_tile_amx<4>(t, kv, w);
+        case 4: return prefill_tile_amx<8>(t, kv, w);
+        case 8: return prefill_tile_amx<16>(t, kv, w);
         default: break;
       }
     }
