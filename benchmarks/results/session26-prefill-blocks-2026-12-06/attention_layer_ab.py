@@ -3,10 +3,11 @@ default model's shape (9 query heads, 3 kv heads, head_dim 64, bf16 pool, block 
 scattered), each library's DecodeKernels.prefill_attention on the same inputs, the order rotating
 each repetition; median wall ms of --reps. Also checks each output against float64 attention.
 
-    LIBS=old=/path/a.so,new=/path/b.so python attn_ab2.py --threads 2 --reps 15 --json out.json
+    LIBS=before=/path/a.so,after=/path/b.so python attention_layer_ab.py --threads 2 --reps 21 --json out.json
 """
-import argparse, ctypes, json, os, random, statistics, sys, time, torch
-sys.path.insert(0, "/work/main/tests"); sys.path.insert(0, "/work/main/server")
+import argparse, ctypes, json, os, pathlib, random, statistics, sys, time, torch
+ROOT = pathlib.Path(__file__).resolve().parents[3]  # the repository
+sys.path.insert(0, str(ROOT / "tests")); sys.path.insert(0, str(ROOT / "server"))
 import test_prefill_attention as tp
 from pagemill.cpu_kernels import DecodeKernels
 
