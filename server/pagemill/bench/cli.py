@@ -121,7 +121,9 @@ def _add_compare_parser(bsub) -> None:
     c.add_argument("--batch1-input-len", type=int, default=64, help="prompt tokens of each batch-1 request")
     c.add_argument("--batch1-output-len", type=int, default=128)
     c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--idle-load", type=float, default=1.0, help="wait for a 1-min load average below this")
+    c.add_argument("--idle-load", type=float, default=1.0,
+                   help="before each start, wait until fewer CPUs than this are busy over 2 s (/proc/stat; "
+                        "the 1-min load average where there is none)")  # fmt: skip
     c.add_argument("--idle-wait-s", type=float, default=300.0, help="then measure anyway (and say so)")
     c.add_argument("--ready-timeout-s", type=float, default=600.0)
     c.add_argument("--throughput-ref", default="vllm-bf16")

@@ -35,6 +35,7 @@ from dataclasses import asdict
 import httpx
 
 from pagemill.bench import compare_report as rep
+from pagemill.bench import cpu_idle
 from pagemill.bench.datasets import uniform_dataset
 from pagemill.bench.load import LoadConfig, run_load, warm
 from pagemill.bench import server_probe as probe
@@ -68,18 +69,6 @@ def placeholders(peers: str, model_dir: str, port: int) -> dict[str, str]:
     return {"port": str(port), "model_dir": model_dir, "peers": peers, "python": sys.executable,
             "threads": str(n), "last_cpu": str(n - 1), "llama_server": servers[0] if servers else "llama-server",
             "vllm_preload": ":".join(preload[:2])}  # fmt: skip
-
-
-def wait_idle(max_load: float, max_wait_s: float) -> float:
-    """Wait until the 1-minute load average is below max_load (or give up); returns it."""
-    deadline = time.monotonic() + max_wait_s
-    load = os.getloadavg()[0]
-    while load >= max_load and time.monotonic() < deadline:
-        time.sleep(5)
-        load = os.getloadavg()[0]
-    if load >= max_load:
-        _log(f"warning: load average still {load:.2f} after {max_wait_s:.0f}s; measuring anyway")
-    return load
 
 
 class PeerServer:
@@ -172,7 +161,12 @@ def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs
             model_cfg: ModelConfig) -> dict:
     cfg = LoadConfig(base_url=f"http://127.0.0.1:{values['port']}", endpoint="openai", model=MODEL_NAME,
                      max_concurrency=a.concurrency, seed=a.seed, progress=not a.no_progress, keepalive=False)  # fmt: skip
-    out: dict = {"load_before": wait_idle(a.idle_load, a.idle_wait_s)}
+    idle = cpu_idle.wait_idle(a.idle_load, a.idle_wait_s)
+    if not idle["idle"]:
+        busy = "?" if idle["busy_cpus"] is None else f"{idle['busy_cpus']:.2f}"
+        _log(f"warning: still busy after {a.idle_wait_s:.0f}s ({busy} CPUs busy, load average "
+             f"{idle['load_avg']:.2f}); measuring anyway")
+    out: dict = {"load_before": idle["load_avg"], "busy_cpus_before": idle["busy_cpus"]}
     # The machine's read bandwidth now, idle, with no server loaded: the batch-1
     # memory floor of this run (docs/benchmarks.md).
     machine = measure_machine()
