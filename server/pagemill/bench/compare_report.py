@@ -178,12 +178,12 @@ def summary_markdown(res: dict, table: str) -> str:
              for s in res["servers"]]  # fmt: skip
     lines += ["1-min load average before each run (2 cores; other work on the machine distorts every figure): "
               + ", ".join(loads), ""]  # fmt: skip
-    busy = [f"{s['name']} " + "/".join(f"{r['busy_cpus_before']:.2f}" for r in s["runs"]
-                                       if r.get("busy_cpus_before") is not None)
-            for s in res["servers"]]  # fmt: skip
-    if any(any(r.get("busy_cpus_before") is not None for r in s["runs"]) for s in res["servers"]):
+    busy = {s["name"]: [r["busy_cpus_before"] for r in s["runs"] if r.get("busy_cpus_before") is not None]
+            for s in res["servers"]}  # fmt: skip
+    if any(busy.values()):  # (runs from before the figure have none)
         lines += ["Busy CPUs over the 2 s before each start (/proc/stat; the load average above still shows "
-                  "the previous server's run): " + ", ".join(busy), ""]  # fmt: skip
+                  "the previous server's run): " + ", ".join(f"{n} " + "/".join(f"{b:.2f}" for b in v)
+                                                             for n, v in busy.items()), ""]  # fmt: skip
     ceilings = [f"{s['name']} {s['summary']['ceiling_tok_s']:.0f} tok/s (measured {s['summary']['output_tok_s'] or 0:.0f}, "
                 f"{(s['summary']['output_tok_s'] or 0) / s['summary']['ceiling_tok_s']:.0%})"
                 for s in res["servers"] if s["summary"].get("ceiling_tok_s")]  # fmt: skip

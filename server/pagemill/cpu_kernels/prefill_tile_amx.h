@@ -11,6 +11,9 @@
 // float32 sums. A row group takes only the block's chunks some of its rows see.
 #pragma once
 
+#include "prefill_attention_amx.h"
+#include "prefill_tile.h"
+
 #if defined(PAGEMILL_AMX_ATTENTION)
 namespace pagemill {
 
