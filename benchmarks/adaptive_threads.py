@@ -3,7 +3,7 @@
     python benchmarks/adaptive_threads.py --threads 2 --batch-size 1 --rounds 6 --block 32 \
         --json benchmarks/results/decode-breakdown/adaptive.json
 
-One bf16 shard of the default model in process (FakeRouter, greedy, 64-token
+One bf16 shard of the default model in process (BlockRouter, greedy, 64-token
 prompts); blocks of `--block` decode steps alternate between `fixed` (all
 `--threads` every step), `one` (one thread) and `adaptive` (the chooser, its
 estimates kept across blocks). Wall clock per step (runner.step), medians
@@ -34,7 +34,7 @@ def main() -> None:
     from pagemill.bench.cli import resolve_model_dir
     from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
     from pagemill.config import ShardConfig
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     torch.set_num_threads(a.threads)
     runner = ModelRunner.from_shard_config(ShardConfig(model_dir=resolve_model_dir(None), uds_path="", dtype=a.dtype))

@@ -38,7 +38,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, 
 
 
 def linears_ab(rows: int, rounds: int) -> dict:
-    from pagemill.cpu_kernels import matvec_kernel
+    from pagemill.cpu_kernels.matvec import matvec_kernel
 
     kernel = matvec_kernel()
     ws = [torch.randn(n, k).bfloat16() for _ in range(30) for n, k in SHAPES] + [torch.randn(49152, 576).bfloat16()]
@@ -75,7 +75,7 @@ class Shard:
         from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
         from pagemill.config import ShardConfig
         from pagemill.models.packed_linear import PackedLinear
-        from pagemill.shard.engine import ModelRunner
+        from pagemill.shard.model_runner import ModelRunner
 
         kv = (512 if dtype == "float32" else 256) << 20
         cfg = ShardConfig(model_dir=resolve_model_dir(None), uds_path="", dtype=dtype, kv_cache_memory=kv)
@@ -125,7 +125,7 @@ VARIANTS = {
 
 
 def decode_ab(batch_size: int, steps: int) -> dict:
-    from pagemill.cpu_kernels import decode_kernels
+    from pagemill.cpu_kernels.decode import decode_kernels
 
     # The forced fused variants and the module path up to the most rows the layer takes.
     names = [n for n in VARIANTS if batch_size <= decode_kernels().layer_max_rows or n in ("bf16 fused",

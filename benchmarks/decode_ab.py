@@ -26,7 +26,7 @@ import torch
 
 
 def linears_ab(rounds: int) -> dict:
-    from pagemill.cpu_kernels import matvec_kernel
+    from pagemill.cpu_kernels.matvec import matvec_kernel
 
     kernel = matvec_kernel()
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
@@ -58,7 +58,7 @@ def decode_ab(batch_size: int, steps: int) -> dict:
     from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
     from pagemill.config import ShardConfig
     from pagemill.models.packed_linear import PackedLinear
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     runner = ModelRunner.from_shard_config(ShardConfig(model_dir=resolve_model_dir(None), uds_path="", dtype="float32"))
     warm_runner(runner, max_batch_size=batch_size, max_prefill_tokens=batch_size * 64, max_input=64 + 2 * steps + 2)

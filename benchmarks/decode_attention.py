@@ -33,7 +33,7 @@ import time
 import torch
 
 from pagemill.attention.kv_dtype import quantize, quantize_int8
-from pagemill.cpu_kernels import DecodeKernels, decode_kernels
+from pagemill.cpu_kernels.decode import DecodeKernels, decode_kernels
 from pagemill.models.huge_pages import huge_zeros
 
 HEADS, KV_HEADS, D = 9, 3, 64

@@ -3,7 +3,7 @@
     python benchmarks/decode_breakdown.py --dtype bfloat16 --threads 2 --steps 200 \
         --json benchmarks/results/decode-breakdown/bf16-b1.json
 
-Drives a ModelRunner of the default model in process (FakeRouter, no HTTP or
+Drives a ModelRunner of the default model in process (BlockRouter, no HTTP or
 gRPC), and times each part of every decode step with perf_counter_ns by
 wrapping it: the Step message's decode and the reply's encode (what the
 shard's gRPC handler does around the model thread), request checks and
@@ -81,7 +81,7 @@ class TimedSampler:
 
 
 def instrument(runner, timer: Timer) -> None:
-    import pagemill.shard.engine as engine
+    import pagemill.shard.model_runner as engine
 
     engine.build_inputs = timer.wrap("inputs", engine.build_inputs)
     inner = runner.model.model
@@ -135,8 +135,8 @@ def run(dtype: str, threads: int, batch: int, steps: int, prompt: int, clock: st
     from pagemill.bench.shard_driver import random_prompts, warm_runner
     from pagemill.config import ShardConfig
     from pagemill.proto import pb
-    from pagemill.shard.engine import ModelRunner
-    from pagemill.shard.harness import FakeRouter, step_response
+    from pagemill.shard.model_runner import ModelRunner
+    from pagemill.bench.block_router import BlockRouter, step_response
 
     torch.set_num_threads(threads)
     bw_before = bandwidth_gbs(CLOCKS[clock])
@@ -161,7 +161,7 @@ def run(dtype: str, threads: int, batch: int, steps: int, prompt: int, clock: st
         timer.ns["proto"] += now() - t
         return pb.StepResponse.FromString(wire)  # the router's decode, outside the clock
 
-    router = FakeRouter(step, runner.pool.num_blocks, runner.block_size)
+    router = BlockRouter(step, runner.pool.num_blocks, runner.block_size)
     params = pb.NextTokenChooserParameters(repetition_penalty=1.0)
     for rid, ids in enumerate(random_prompts(batch, prompt, runner.config.vocab_size)):
         router.add(rid, ids, steps + 1, params=params, ignore_eos=True)

@@ -5,15 +5,15 @@
 At 64 running sequences of the default model's shapes (9 query / 3 KV heads
 of 64, 576 hidden, 49152 vocabulary), one layer's worth of each:
 
-- paged attention: cpu_kernels/paged_attention.h through the torch backend,
+- paged attention: cpu_kernels/csrc/attention/paged_attention.h through the torch backend,
   against the backend's torch path (gather the blocks, SDPA), contexts drawn
   uniformly from 1..480 tokens (mean ~240) in shuffled blocks of 16;
-- greedy sampling: cpu_kernels/greedy.cpp against Sampler's torch path on
+- greedy sampling: cpu_kernels/csrc/rowwise/greedy.cpp against Sampler's torch path on
   bf16 logits;
-- RMSNorm: cpu_kernels/norm.cpp against the torch casts;
+- RMSNorm: cpu_kernels/csrc/rowwise/norm.cpp against the torch casts;
 - residual add + RMSNorm: norm.cpp's add_and_norm against torch's bf16 add
   followed by the norm kernel (what the module path ran before);
-- KV write: cpu_kernels/kv_write.cpp against the backend's two index_copy_,
+- KV write: cpu_kernels/csrc/attention/kv_write.cpp against the backend's two index_copy_,
   into a pool of 4096 shuffled blocks of 16.
 
 CPU time (time.process_time) of one thread, variants interleaved within each
@@ -33,7 +33,7 @@ import torch
 
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 from pagemill.cpu_kernels.rowwise import greedy_kernel, norm_kernel
 from pagemill.models.layers import RMSNorm
 from pagemill.sampling import Sampler, SamplingParams

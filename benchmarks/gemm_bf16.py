@@ -1,4 +1,4 @@
-"""The bf16 linears of the default model: cpu_kernels/gemm_bf16.h against oneDNN's packed
+"""The bf16 linears of the default model: cpu_kernels/csrc/gemm/gemm_bf16.h against oneDNN's packed
 inner product (what PackedLinear ran before) and F.linear, at decode and prefill row counts.
 
     python benchmarks/gemm_bf16.py --threads 2 --rows 1,8,16,32,64,256,2048 \
@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.build import build_library
 from pagemill.cpu_kernels.gemm import GemmBf16Kernel, gemm_bf16_kernel, pack_bf16
 
 SHAPES = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),

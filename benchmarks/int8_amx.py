@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.build import build_library
 from pagemill.cpu_kernels.int8 import Int8LinearKernel, int8_kernel
 from pagemill.models.quantized_linear import QuantizedLinear
 

@@ -44,7 +44,7 @@ def _stats(v: list[float]) -> dict:
 
 
 def linears(rows: int, rounds: int) -> dict:
-    from pagemill.cpu_kernels import matvec_kernel
+    from pagemill.cpu_kernels.matvec import matvec_kernel
     from pagemill.cpu_kernels.int8 import int8_kernel
     from pagemill.models.quantized_linear import QuantizedLinear
 
@@ -82,7 +82,7 @@ def decode(batch_sizes: list[int], steps: int) -> dict:
     from pagemill.bench.cli import resolve_model_dir
     from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
     from pagemill.config import ShardConfig
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     model_dir = resolve_model_dir(None)
     configs = {"fp32": ("float32", None), "fp32 module": ("float32", None), "bf16": ("bfloat16", None),
@@ -120,7 +120,7 @@ def fused_ab(batch_sizes: list[int], threads: list[int], steps: int) -> dict:
     from pagemill.bench.cli import resolve_model_dir
     from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
     from pagemill.config import ShardConfig
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     model_dir = resolve_model_dir(None)
     configs = {"int8 fused": "int8", "int8 module": "int8", "bf16 fused": None}

@@ -22,7 +22,7 @@ import time
 import torch
 
 from pagemill.attention.kv_dtype import quantize, quantize_int8
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 
 HEADS, KV_HEADS, D, BS = 9, 3, 64, 16
 

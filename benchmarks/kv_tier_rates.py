@@ -55,7 +55,7 @@ def main() -> None:
     from pagemill.bench.cli import resolve_model_dir
     from pagemill.bench.shard_driver import warm_runner
     from pagemill.config import ShardConfig
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
     from pagemill.shard.kv_tier import measure_prefill_rate
 
     cfg = ShardConfig(model_dir=resolve_model_dir(None), uds_path="", dtype=a.dtype, kv_cache_memory=256 << 20)

@@ -7,7 +7,7 @@ Layer: one layer's attention over a step of prompts like the c=64 burst (--promp
 prompts of 32-256 tokens, ~2016 tokens; the default model's shape: 9 query heads,
 3 kv heads, head_dim 64, block size 16, blocks scattered over the pool), fresh and
 over a cached prefix (0-512 tokens each), bf16 and float32. Paths:
-- tiled: DecodeKernels.prefill_attention (cpu_kernels/prefill_attention.h);
+- tiled: DecodeKernels.prefill_attention (cpu_kernels/csrc/attention/prefill_attention.h);
 - tokens: the previous dispatch, every new token a one-row query of the decode
   kernel (DecodeKernels.paged_attention over per-token tables and lengths);
 - sdpa: TorchAttentionBackend without kernels (SDPA per sequence, the cached
@@ -37,7 +37,8 @@ import torch
 
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import DecodeKernels, build_library, decode_kernels
+from pagemill.cpu_kernels.build import build_library
+from pagemill.cpu_kernels.decode import DecodeKernels, decode_kernels
 
 HEADS, KV_HEADS, D, BS = 9, 3, 64, 16
 
@@ -130,7 +131,7 @@ def bench_model(kernels: DecodeKernels, lens: list[int], dtype: str, threads: in
     from pagemill.bench.cli import resolve_model_dir
     from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
     from pagemill.config import ShardConfig
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     torch.set_num_threads(threads)
     runner = ModelRunner.from_shard_config(ShardConfig(model_dir=resolve_model_dir(None), uds_path="", dtype=dtype))

@@ -2,8 +2,8 @@
 
 The workload is summaries that quote their prompt (the case prompt lookup is
 for). One model is loaded once; two shard runners share it, one with
---speculate K (n-gram) and one without, each driven in-process by the FakeRouter
-harness (shard/harness.py: room for K proposals per decode entry, advance by
+--speculate K (n-gram) and one without, each driven in-process by the BlockRouter
+harness (bench/block_router.py: room for K proposals per decode entry, advance by
 the tokens returned). Greedy decoding, so both produce the same tokens. Batch 1 and
 batch 16, side by side; prints a table, writes JSON (and a PNG when
 matplotlib is installed).
@@ -28,8 +28,8 @@ from tokenizers import Tokenizer  # noqa: E402
 from pagemill.models.default_model import resolve_model  # noqa: E402
 from pagemill.models.loader import load_model  # noqa: E402
 from pagemill.proto import pb  # noqa: E402
-from pagemill.shard.engine import ModelRunner  # noqa: E402
-from pagemill.shard.harness import FakeRouter  # noqa: E402
+from pagemill.shard.model_runner import ModelRunner  # noqa: E402
+from pagemill.bench.block_router import BlockRouter  # noqa: E402
 
 BLOCK = 16
 TEXTS = [
@@ -60,7 +60,7 @@ def prompts(tok: Tokenizer, n: int) -> list[list[int]]:
 
 def generate(runner: ModelRunner, batch_prompts: list[list[int]], max_new: int) -> tuple[list[list[int]], int]:
     """Runs one batch to completion; returns (tokens of each request, decode steps)."""
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     for rid, p in enumerate(batch_prompts):
         router.add(rid, p, max_new)
     router.step()  # the prompts

@@ -46,7 +46,7 @@ class NoWork:
 
     def step(self, req):
         from pagemill.proto import pb
-        from pagemill.shard.engine import StepResult
+        from pagemill.shard.model_runner import StepResult
 
         gens = [pb.Generation(request_id=r.id, tokens=pb.Tokens(ids=[5], logprobs=[-0.5])) for r in req.requests]
         return StepResult(gens, 1000)

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from conftest import build_model_dir
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 from pagemill.models.fused_decode import FUSED_MAX_SMALL_BATCH
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
-from pagemill.shard.engine import ModelRunner
-from pagemill.shard.harness import FakeRouter
+from pagemill.shard.model_runner import ModelRunner
+from pagemill.bench.block_router import BlockRouter
 from pagemill.shard.threads import EXPLORE_EVERY, EXPLORE_MAX, LOAD_CHANGE, ThreadChoice, choose, thread_counts
 
 
@@ -102,7 +102,7 @@ def run(model_dir: str, adaptive: bool):
                          cpu_kernels=True, adaptive_threads=adaptive)  # fmt: skip
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_input_tokens=32, max_total_tokens=64,
                                    max_batch_size=4))  # fmt: skip
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     for rid, prompt in enumerate([[5, 17, 99, 42, 7], [60, 61], [1, 200, 13, 14]]):
         router.add(rid, prompt, 12, ignore_eos=True)
     return router.run(), runner
@@ -142,7 +142,7 @@ def test_large_int8_fused_steps_keep_all_threads(model_dir):
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        router = FakeRouter.for_runner(runner)
+        router = BlockRouter.for_runner(runner)
         for rid in range(12):
             router.add(rid, [5 + rid, 17, 99], 6, ignore_eos=True)
         out = router.run()

@@ -1,4 +1,4 @@
-"""The residual add fused into the next RMSNorm (RMSNorm.add_and_norm, cpu_kernels/norm.cpp).
+"""The residual add fused into the next RMSNorm (RMSNorm.add_and_norm, cpu_kernels/csrc/rowwise/norm.cpp).
 
 Bit for bit what it replaces: torch's bf16 add (each sum rounded to bf16)
 followed by the bf16 norm kernel, in the native build and in one with the
@@ -14,7 +14,8 @@ import torch
 from test_model import PagedHarness, prompts
 
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import build_library, decode_kernels
+from pagemill.cpu_kernels.build import build_library
+from pagemill.cpu_kernels.decode import decode_kernels
 from pagemill.cpu_kernels.rowwise import NormKernel, norm_kernel
 from pagemill.models.layers import RMSNorm
 from pagemill.models.loader import load_model

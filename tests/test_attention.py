@@ -10,7 +10,7 @@ import torch
 from pagemill.attention.backend import select_backend
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 
 BLOCK_SIZE = 8
 NUM_BLOCKS = 64

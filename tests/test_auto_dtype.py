@@ -39,7 +39,7 @@ def test_the_shard_reports_the_resolved_dtype(llama_dir):
     """What the shard's Info (the router's /info model_dtype) says is the dtype it loaded."""
     import torch
 
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     runner = ModelRunner.from_shard_config(ShardConfig(model_dir=llama_dir, uds_path="unused", block_size=4,
                                                        kv_cache_memory=1 << 20))  # fmt: skip

@@ -1,4 +1,4 @@
-"""The batched bf16 decode layer (cpu_kernels/decode_batched.cpp, models/batched_decode.py).
+"""The batched bf16 decode layer (cpu_kernels/csrc/decode/decode_batched.cpp, models/batched_decode.py).
 
 It runs the module path's functions in one call per layer, so its logits must
 equal the module path's bit for bit: every tiny variant and the default
@@ -19,7 +19,7 @@ from test_model import PagedHarness, prompts
 
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 from pagemill.cpu_kernels.gemm import gemm_bf16_kernel
 from pagemill.models.batched_decode import BatchedDecoder
 from pagemill.models.loader import load_model

@@ -29,7 +29,9 @@ from test_model import BLOCK_SIZE, PagedHarness, hf_logits, prompts
 
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import DecodeKernels, MatvecKernel, build_library, decode_kernels, matvec_kernel
+from pagemill.cpu_kernels.build import build_library
+from pagemill.cpu_kernels.decode import DecodeKernels, decode_kernels
+from pagemill.cpu_kernels.matvec import MatvecKernel, matvec_kernel
 from pagemill.models.fused_decode import FusedDecoder
 from pagemill.models.loader import load_model
 

@@ -28,7 +28,7 @@ def test_a_negative_size_is_refused():
 def test_the_shard_reports_the_resolved_size(llama_dir):
     """What the shard tells the router at warmup (and /info's block_size) is the resolved size."""
     from pagemill.proto import pb
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     runner = ModelRunner.from_shard_config(ShardConfig(model_dir=llama_dir, uds_path="unused", dtype="float32",
                                                        kv_cache_memory=1 << 22))  # fmt: skip

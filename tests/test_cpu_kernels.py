@@ -7,7 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagemill.cpu_kernels import matvec_kernel, plain_read
+from pagemill.cpu_kernels.matvec import matvec_kernel
+
+from pagemill.cpu_kernels.read_rate import plain_read
 from pagemill.models.packed_linear import MATVEC_MAX_ROWS, PackedLinear
 
 kernel = matvec_kernel()

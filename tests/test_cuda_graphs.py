@@ -21,8 +21,8 @@ from pagemill.models.loader import load_model
 from pagemill.proto import pb
 from pagemill.shard.step_inputs import StepInputs
 from pagemill.shard.cuda_graphs import MAX_GRAPH_BATCH, DecodeGraphs, graph_batch_sizes, select_bucket
-from pagemill.shard.engine import ModelRunner
-from pagemill.shard.harness import Blocks
+from pagemill.shard.model_runner import ModelRunner
+from pagemill.bench.block_router import Blocks
 from pagemill.shard.kv_pool import KVPool
 
 BLOCK = 4

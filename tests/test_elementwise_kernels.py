@@ -1,4 +1,4 @@
-"""The compiled bf16 element-wise ops (cpu_kernels/elementwise.cpp) against the torch ops they replace.
+"""The compiled bf16 element-wise ops (cpu_kernels/csrc/rowwise/elementwise.cpp) against the torch ops they replace.
 
 SwiGLU's silu(gate) * up and rotary embedding, with and without AVX-512,
 must give the bf16 results of Hugging Face's op-by-op modules: the same
@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.build import build_library
 from pagemill.cpu_kernels.rowwise import ElementwiseKernels, elementwise_kernels
 from pagemill.models.layers import MLP, apply_rotary
 

@@ -1,4 +1,4 @@
-"""The compiled decode kernels (cpu_kernels/decode.cpp) against the torch path and transformers.
+"""The compiled decode kernels (cpu_kernels/csrc/decode/decode.cpp) against the torch path and transformers.
 
 - whole-layer small-batch decode (models/fused_decode.py): every tiny
   variant, batches of 1..FUSED_MAX_BATCH, greedy steps across block
@@ -17,7 +17,7 @@ from test_model import PagedHarness, assert_close, hf_logits, prompts
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.kv_dtype import quantize_int8, widen
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 from pagemill.models.fused_decode import FUSED_MAX_BATCH
 from pagemill.models.loader import load_model
 

@@ -1,4 +1,4 @@
-"""The bfloat16 GEMM (cpu_kernels/gemm_bf16.h) and PackedLinear's use of it, against float64
+"""The bfloat16 GEMM (cpu_kernels/csrc/gemm/gemm_bf16.h) and PackedLinear's use of it, against float64
 references and torch's own bf16 linear.
 
 - kernel vs float64 of the same bf16 inputs: within the output's bf16 rounding, for every tile
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.build import build_library
 from pagemill.cpu_kernels.gemm import GemmBf16Kernel, gemm_bf16_kernel, pack_bf16
 from pagemill.models.packed_linear import MATVEC_MAX_ROWS, PackedLinear, bf16_linear_path
 
@@ -185,7 +185,7 @@ def test_fused_layer_hands_over_earlier_when_the_gemm_runs(tmp_path):
     up to FUSED_MAX_BATCH_BF16."""
     from conftest import build_model_dir
 
-    from pagemill.cpu_kernels import decode_kernels
+    from pagemill.cpu_kernels.decode import decode_kernels
     from pagemill.models.fused_decode import (FUSED_MAX_BATCH_BF16, FUSED_MAX_BATCH_BF16_AMX,
                                               FUSED_MAX_BATCH_BF16_GEMM, FusedDecoder)
     from pagemill.models.loader import load_model

@@ -14,7 +14,7 @@ from tokenizers import Tokenizer
 
 from pagemill.grammar.matcher import GrammarCompiler, GrammarError
 from pagemill.proto import pb
-from pagemill.shard.harness import FakeRouter
+from pagemill.bench.block_router import BlockRouter
 from test_speculative import generate, make_runner
 
 JSON, REGEX = pb.GRAMMAR_TYPE_JSON, pb.GRAMMAR_TYPE_REGEX
@@ -145,13 +145,13 @@ def test_service_step_answers_a_bad_grammar_per_request(tiny_dir):
     the good one decodes on, and Info reports speculate."""
     import asyncio
 
-    from pagemill.shard.harness import FakeRouter
+    from pagemill.bench.block_router import BlockRouter
     from pagemill.shard.service import ShardService
 
     runner = make_runner(tiny_dir, speculate=3)
     service = ShardService(runner)
     assert asyncio.run(service.Info(pb.InfoRequest(), None)).speculate == 3
-    router = FakeRouter(lambda req: asyncio.run(service.Step(req, None)), runner.pool.num_blocks, runner.block_size,
+    router = BlockRouter(lambda req: asyncio.run(service.Step(req, None)), runner.pool.num_blocks, runner.block_size,
                         speculate=3)  # fmt: skip
     router.add(1, [5, 6, 7], 4)
     router.add(2, [5, 6, 7], 4, grammar=pb.Grammar(type=REGEX, value="(unclosed"))
@@ -168,7 +168,7 @@ def test_a_preempted_constrained_request_resumes_its_grammar(tiny_dir, tokenizer
     pattern = r"(abc|xyz)[0-9]{3}"
     grammar = pb.Grammar(type=REGEX, value=pattern)
     full = generate(make_runner(tiny_dir), [[100, 200]], 20, grammars=[grammar])[0]
-    router = FakeRouter.for_runner(make_runner(tiny_dir))
+    router = BlockRouter.for_runner(make_runner(tiny_dir))
     out = router.add(0, [100, 200], 20, grammar=grammar, ignore_eos=True)
     router.step()
     router.step()  # two tokens generated, then preempted: resent with generated_len 2, grammar replayed

@@ -1,4 +1,4 @@
-"""The compiled greedy sampler (cpu_kernels/greedy.cpp) against Sampler's torch path.
+"""The compiled greedy sampler (cpu_kernels/csrc/rowwise/greedy.cpp) against Sampler's torch path.
 
 Same token (first maximum on ties, as torch.argmax) and the same logprob to
 float32 rounding of a 49152-term sum; rows with NaN/inf go back to torch; a
@@ -11,7 +11,7 @@ import pytest
 import torch
 from test_sampling import VOCAB, Row
 
-from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.build import build_library
 from pagemill.cpu_kernels.rowwise import GreedyKernel, greedy_kernel
 from pagemill.sampling import Sampler, SamplingParams
 

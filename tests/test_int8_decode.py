@@ -1,5 +1,5 @@
 """`--quantize int8` at small batch: the fused whole-layer decode over int8 weights
-(cpu_kernels/decode.cpp's Int8Linears, int8_rows.h) against the module path of the same
+(cpu_kernels/csrc/decode/decode.cpp's Int8Linears, int8_rows.h) against the module path of the same
 quantized model (QuantizedLinear per linear, torch ops around them).
 
 Both paths quantize each linear's input rows per row and sum int8 x int8 in int32 with the
@@ -24,7 +24,9 @@ import torch
 from test_fused_decode import Spy
 from test_model import PagedHarness, prompts
 
-from pagemill.cpu_kernels import DecodeKernels, build_library, decode_kernels
+from pagemill.cpu_kernels.build import build_library
+
+from pagemill.cpu_kernels.decode import DecodeKernels, decode_kernels
 from pagemill.models.fused_decode import FusedDecoder
 from pagemill.models.loader import load_model
 

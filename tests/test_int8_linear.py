@@ -1,4 +1,4 @@
-"""`--quantize int8`: the int8 linear kernel (cpu_kernels/int8_linear.cpp), QuantizedLinear and a
+"""`--quantize int8`: the int8 linear kernel (cpu_kernels/csrc/int8/int8_linear.cpp), QuantizedLinear and a
 quantized model, against torch references.
 
 - kernel vs the same quantized arithmetic in torch (int8 x int8 summed exactly): the integer sums
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from test_model import PagedHarness, prompts
 
 from pagemill.config import ShardConfig, check_quantize
-from pagemill.cpu_kernels import build_library
+from pagemill.cpu_kernels.build import build_library
 from pagemill.cpu_kernels.int8 import Int8LinearKernel, int8_kernel
 from pagemill.models.loader import load_model
 from pagemill.models.quantized_linear import (
@@ -256,7 +256,7 @@ def test_quantized_model_logits_close_to_float(tiny_model, dtype, caplog):
 def test_runner_serves_a_quantized_model(llama_dir, caplog):
     """The shard's ModelRunner with ShardConfig(quantize="int8"): warmup, prefill, decode."""
     from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     cfg = ShardConfig(model_dir=llama_dir, uds_path="", block_size=4, kv_cache_memory=1 << 22, quantize="int8")
     with caplog.at_level(logging.INFO):

@@ -20,10 +20,11 @@ from pagemill.attention import kv_dtype
 from pagemill.attention.kv_dtype import check_kv_dtype, kv_dtype_name, parse_kv_cache_dtype, quantize, write_rows
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import DecodeKernels, build_library, decode_kernels
+from pagemill.cpu_kernels.build import build_library
+from pagemill.cpu_kernels.decode import DecodeKernels, decode_kernels
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
-from pagemill.shard.engine import ModelRunner
+from pagemill.shard.model_runner import ModelRunner
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FP8_TOLERANCE = {E4M3: 0.06, E5M2: 0.12}

@@ -22,10 +22,11 @@ from pagemill.attention.kv_dtype import (check_kv_dtype, head_dim_of, int8_scale
                                          parse_kv_cache_dtype, quantize_int8, row_width, widen, write_rows)  # fmt: skip
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import DecodeKernels, build_library, decode_kernels
+from pagemill.cpu_kernels.build import build_library
+from pagemill.cpu_kernels.decode import DecodeKernels, decode_kernels
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
-from pagemill.shard.engine import ModelRunner
+from pagemill.shard.model_runner import ModelRunner
 from pagemill.shard.kv_pool import KVPool
 
 INT8_TOLERANCE = 0.03

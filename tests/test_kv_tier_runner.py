@@ -14,7 +14,7 @@ import torch
 from conftest import build_model_dir
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
-from pagemill.shard.engine import ModelRunner
+from pagemill.shard.model_runner import ModelRunner
 from pagemill.shard.kv_tier import TierOptions
 
 BLOCK = 16

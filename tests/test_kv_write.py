@@ -1,4 +1,4 @@
-"""The compiled KV write (cpu_kernels/kv_write.cpp) against the index_copy_ it replaces.
+"""The compiled KV write (cpu_kernels/csrc/attention/kv_write.cpp) against the index_copy_ it replaces.
 
 A layer's new keys and values go into their pool slots as the torch backend's
 write_rows does: the same bytes in the same places, for pools in the model's
@@ -12,7 +12,8 @@ import torch
 
 from pagemill.attention.kv_dtype import quantize_int8
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import DecodeKernels, build_library, decode_kernels
+from pagemill.cpu_kernels.build import build_library
+from pagemill.cpu_kernels.decode import DecodeKernels, decode_kernels
 
 native = decode_kernels()
 pytestmark = pytest.mark.skipif(native is None, reason="no C++ compiler / not x86-64 Linux")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 16
 

@@ -1,7 +1,7 @@
 """Our paged Llama-family model against Hugging Face transformers (float32).
 
 PagedHarness feeds the model directly (no shard); its block ids come from
-the FakeRouter's `Blocks` (shuffled, a new block whenever a sequence crosses
+the BlockRouter's `Blocks` (shuffled, a new block whenever a sequence crosses
 a block boundary, as the real router does).
 """
 
@@ -13,7 +13,7 @@ import torch
 from pagemill.attention.metadata import make_metadata
 from pagemill.models.config import ModelConfig
 from pagemill.models.loader import load_model
-from pagemill.shard.harness import Blocks
+from pagemill.bench.block_router import Blocks
 from pagemill.shard.kv_pool import KVPool
 
 BLOCK_SIZE = 4
@@ -26,7 +26,7 @@ class PagedHarness:
         """dtype: the KV pool's (the server makes it the model's)."""
         self.model = model
         self.pool = KVPool.with_blocks(config, num_blocks=num_blocks, block_size=BLOCK_SIZE, dtype=dtype, device="cpu")
-        self.blocks = Blocks(num_blocks, BLOCK_SIZE, seed)  # the router's arithmetic (shard/harness.py)
+        self.blocks = Blocks(num_blocks, BLOCK_SIZE, seed)  # the router's arithmetic (bench/block_router.py)
         self.tables: dict[int, list[int]] = {}
 
     def _slots(self, sid: int, start: int, end: int) -> list[int]:

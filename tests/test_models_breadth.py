@@ -15,7 +15,7 @@ import torch
 from conftest import build_model_dir, load_hf
 from test_model import PagedHarness, assert_close, check_prefill_and_decode, prompts
 
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 from pagemill.models.config import SUPPORTED_MODEL_TYPES, ModelConfig
 from pagemill.models.loader import load_model
 from pagemill.parallel.group import ParallelGroup

@@ -210,11 +210,11 @@ def test_two_rank_model_matches_one_rank(tp_model_dirs):
 
 def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0, draft: bool = False) -> dict:
     """Warmup, then one batch (greedy, unseeded sampled, seeded sampled with top-n and prompt
-    logprobs) to completion through ModelRunner, driven by the FakeRouter harness."""
+    logprobs) to completion through ModelRunner, driven by the BlockRouter harness."""
     from pagemill.config import ShardConfig
     from pagemill.proto import pb
-    from pagemill.shard.engine import ModelRunner
-    from pagemill.shard.harness import FakeRouter
+    from pagemill.shard.model_runner import ModelRunner
+    from pagemill.bench.block_router import BlockRouter
 
     cfg = ShardConfig(model_dir=model_dir, uds_path="unused", rank=group.rank if group else 0,
                       world_size=group.world_size if group else 1, block_size=4, kv_cache_memory=1 << 20,
@@ -223,7 +223,7 @@ def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0, d
     runner = ModelRunner.from_shard_config(cfg, group)
     warm = runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_input_tokens=32, max_total_tokens=64,
                                           max_batch_size=8))  # fmt: skip
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     sample = dict(temperature=0.9, top_k=20, do_sample=True)
     router.add(1, [5, 17, 99, 42, 7, 250, 5, 17], 8, ignore_eos=True)
     router.add(2, [3, 4, 5], 8, ignore_eos=True, params=pb.NextTokenChooserParameters(**sample))

@@ -1,4 +1,4 @@
-"""The query-tiled prefill attention kernel (cpu_kernels/prefill_attention.h) against
+"""The query-tiled prefill attention kernel (cpu_kernels/csrc/attention/prefill_attention.h) against
 dense float64 attention over the same keys, for float32 and bfloat16 pools, in the
 native build and the builds with the AMX / AVX512-BF16 / AVX-512 paths compiled out (on an
 AMX-BF16 CPU the native build's bf16 tiles of head size 64, 128 and 256 multiply on AMX tiles,
@@ -19,7 +19,8 @@ import torch
 
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import DecodeKernels, build_library, decode_kernels
+from pagemill.cpu_kernels.build import build_library
+from pagemill.cpu_kernels.decode import DecodeKernels, decode_kernels
 
 kernels = decode_kernels()
 pytestmark = pytest.mark.skipif(kernels is None, reason="no C++ compiler / not x86-64 Linux")

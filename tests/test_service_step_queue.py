@@ -7,7 +7,7 @@ import asyncio
 import time
 
 from conftest import build_model_dir
-from pagemill.shard.harness import FakeRouter
+from pagemill.bench.block_router import BlockRouter
 from pagemill.shard.service import ShardService
 from test_speculative import make_runner
 
@@ -35,7 +35,7 @@ def test_a_step_queued_from_another_event_loop_is_answered_there(tmp_path):
         return next_step()
 
     service._next_step = next_step_once_the_second_is_queued
-    router = FakeRouter(lambda req: asyncio.run(asyncio.wait_for(service.Step(req, None), 20)),
+    router = BlockRouter(lambda req: asyncio.run(asyncio.wait_for(service.Step(req, None), 20)),
                         runner.pool.num_blocks, runner.block_size)  # fmt: skip
     router.add(1, [5, 6, 7], 4, ignore_eos=True)
     first = router.step()

@@ -1,6 +1,6 @@
 """The real shard process (serve(ShardConfig)) driven over its unix socket.
 
-The FakeRouter harness (shard/harness.py) plays the router: shuffled block
+The BlockRouter harness (bench/block_router.py) plays the router: shuffled block
 ids, a new block when a sequence crosses a block boundary, one Step per
 iteration. In-process Step semantics (chunks, mixed steps, preemption):
 test_step.py.
@@ -23,7 +23,7 @@ import torch
 
 from conftest import ROOT, build_model_dir, load_hf
 from pagemill.proto import SERVICE_NAME, pb
-from pagemill.shard.harness import FakeRouter
+from pagemill.bench.block_router import BlockRouter
 from pagemill.shard.main import _remove_stale_socket
 
 BLOCK_SIZE = 4
@@ -131,7 +131,7 @@ def shard(tmp_path_factory):
 @pytest.fixture
 def router(shard):
     client = shard[0]
-    r = FakeRouter(client.Step, shard[4].num_blocks, BLOCK_SIZE)
+    r = BlockRouter(client.Step, shard[4].num_blocks, BLOCK_SIZE)
     yield r
     for rid in list(r.requests):  # what a test left running: the shard hears it and drops it
         r.abort(rid)
@@ -157,7 +157,7 @@ def test_info_health_warmup(shard):
 
 def test_warmup_drops_every_request(shard):
     client, *_ = shard
-    router = FakeRouter(client.Step, POOL_BLOCKS, BLOCK_SIZE)
+    router = BlockRouter(client.Step, POOL_BLOCKS, BLOCK_SIZE)
     router.add(1, [5, 6, 7], 5)
     router.step()
     client.Warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_input_tokens=32, max_total_tokens=64,
@@ -375,7 +375,7 @@ def test_stale_regular_file_is_not_replaced(tmp_path):
 
 def test_health_fails_once_a_forward_broke(tmp_path):
     from pagemill.config import ShardConfig
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
     from pagemill.shard.errors import ShardError
 
     model_dir = build_model_dir(str(tmp_path), "llama_gqa")
@@ -387,7 +387,7 @@ def test_health_fails_once_a_forward_broke(tmp_path):
     runner.warmup(
         pb.WarmupRequest(max_batch_prefill_tokens=16, max_input_tokens=8, max_total_tokens=32, max_batch_size=2)
     )
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     router.add(1, [1, 2, 3], 4)
     runner.model.model.embed_tokens = None  # sabotage: the forward now raises
     with pytest.raises(TypeError):

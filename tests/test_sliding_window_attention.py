@@ -14,7 +14,7 @@ import torch
 
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 16
 SCALE = DIM**-0.5

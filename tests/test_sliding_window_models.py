@@ -22,7 +22,7 @@ import torch
 from conftest import build_model_dir, load_hf
 from test_model import check_prefill_and_decode, hf_logits, prompts
 
-from pagemill.cpu_kernels import decode_kernels
+from pagemill.cpu_kernels.decode import decode_kernels
 from pagemill.models.config import ModelConfig, all_layers_window
 from pagemill.models.loader import load_model
 

@@ -1,6 +1,6 @@
 """Speculative decoding: n-gram proposer, exact verification, greedy identity, distribution.
 
-`generate` plays the router (shard/harness.py FakeRouter) against an
+`generate` plays the router (bench/block_router.py BlockRouter) against an
 in-process ModelRunner: room for speculate proposals per decode entry, each
 sequence advanced by the number of tokens returned (the router's implicit
 rollback of rejected slots).
@@ -20,8 +20,8 @@ from conftest import build_model_dir
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
 from pagemill.sampling import Sampler, SamplingParams
-from pagemill.shard.engine import ModelRunner
-from pagemill.shard.harness import FakeRouter, Output
+from pagemill.shard.model_runner import ModelRunner
+from pagemill.bench.block_router import BlockRouter, Output
 from pagemill.speculative.draft import DraftProposer
 from pagemill.speculative.ngram import propose_ngram
 from pagemill.speculative.verify import verify
@@ -48,9 +48,9 @@ def make_runner(model_dir: str, speculate: int = 0, draft_dir: str | None = None
 
 
 def generate(runner: ModelRunner, prompts, max_new: int, *, ignore_eos: bool = True, **kw) -> dict[int, Output]:
-    """Every prompt in one FakeRouter run: first step all prompts, then decode steps with
-    speculate proposal slots each; returns {rid: Output}. kw: FakeRouter.add's."""
-    return FakeRouter.for_runner(runner).generate(prompts, max_new, ignore_eos=ignore_eos, **kw)
+    """Every prompt in one BlockRouter run: first step all prompts, then decode steps with
+    speculate proposal slots each; returns {rid: Output}. kw: BlockRouter.add's."""
+    return BlockRouter.for_runner(runner).generate(prompts, max_new, ignore_eos=ignore_eos, **kw)
 
 
 def test_ngram_proposes_the_continuation_of_the_latest_match():

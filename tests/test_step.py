@@ -15,7 +15,7 @@ import torch
 from conftest import build_model_dir, load_hf
 from pagemill.proto import pb
 from pagemill.shard.errors import ShardError
-from pagemill.shard.harness import FakeRouter
+from pagemill.bench.block_router import BlockRouter
 from test_shard_service import hf_greedy
 from test_speculative import make_runner
 
@@ -37,7 +37,7 @@ def alone(model_dir):
     """Each request run by itself, whole prompt in one step: {rid: Output}."""
     out = {}
     for rid, prompt in PROMPTS.items():
-        router = FakeRouter.for_runner(make_runner(model_dir))
+        router = BlockRouter.for_runner(make_runner(model_dir))
         router.add(rid, prompt, 10, ignore_eos=True, top_n=4)
         out[rid] = router.run()[rid]
     return out
@@ -58,7 +58,7 @@ def test_mixed_steps_equal_separate_steps(model_dir, alone):
     """Requests 3 and 4 join while 1 and 2 decode; their prompts go in chunks of 3 and 5,
     each chunk in the same Step as the others' decode tokens."""
     runner = make_runner(model_dir)
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     for rid in (1, 2):
         router.add(rid, PROMPTS[rid], 10, ignore_eos=True, top_n=4)
     router.step()
@@ -81,7 +81,7 @@ def test_mixed_steps_equal_separate_steps(model_dir, alone):
 
 def test_chunked_prompt_equals_unchunked(model_dir, alone):
     for chunk in (1, 4, 12):
-        router = FakeRouter.for_runner(make_runner(model_dir))
+        router = BlockRouter.for_runner(make_runner(model_dir))
         router.add(3, PROMPTS[3], 10, ignore_eos=True, top_n=4, chunk=chunk)
         steps = 0
         while not router.outputs[3].ids:
@@ -94,7 +94,7 @@ def test_chunked_prompt_equals_unchunked(model_dir, alone):
 
 def test_finished_ids_drop_state(model_dir, alone):
     runner = make_runner(model_dir)
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     for rid in (1, 2, 3):
         router.add(rid, PROMPTS[rid], 10, ignore_eos=True, top_n=4)
     router.step()
@@ -115,7 +115,7 @@ def test_contradicting_entries_fail_alone(model_dir, alone):
     """An unknown id and a num_computed mismatch: that entry gets an error, is not computed,
     its state is dropped; the other requests proceed as if it were not there."""
     runner = make_runner(model_dir)
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     for rid in (1, 2, 3):
         router.add(rid, PROMPTS[rid], 10, ignore_eos=True, top_n=4)
     router.step()
@@ -133,7 +133,7 @@ def test_contradicting_entries_fail_alone(model_dir, alone):
 
 def test_rejected_step_changes_nothing(model_dir, alone):
     runner = make_runner(model_dir)
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     for rid in (1, 2):
         router.add(rid, PROMPTS[rid], 10, ignore_eos=True, top_n=4)
     router.step()
@@ -160,7 +160,7 @@ def test_preempted_request_resumes(model_dir, penalties):
 
     def run(preempt_at: int | None):
         runner = make_runner(model_dir)
-        router = FakeRouter.for_runner(runner)
+        router = BlockRouter.for_runner(runner)
         router.add(1, PROMPTS[1], 10, ignore_eos=True, params=params)
         router.add(2, PROMPTS[4], 10, ignore_eos=True, params=params, min_new_tokens=8)
         for _ in range(preempt_at or 0):
@@ -186,7 +186,7 @@ def test_speculation_with_chunked_late_joiners(model_dir, alone, draft):
     """Proposals only in steps without prompt chunks; the draft's pool follows the chunks
     (with the target as its own draft every proposal is accepted once the prompt is in)."""
     runner = make_runner(model_dir, speculate=3, draft_dir=model_dir if draft else None)
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     router.add(4, PROMPTS[4], 10, ignore_eos=True, top_n=4)  # repetitive: n-gram proposals hit
     router.step()
     router.add(3, PROMPTS[3], 10, ignore_eos=True, top_n=4, chunk=5)
@@ -211,7 +211,7 @@ def test_prompt_logprobs_of_a_cached_prompt_in_a_speculative_step(model_dir):
     copy of the shared blocks included) and reports its prompt logprobs (NaN: cached)."""
     hf = load_hf(model_dir)
     runner = make_runner(model_dir, speculate=3, draft_dir=model_dir)
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     router.add(4, PROMPTS[4][:8] + [7, 7, 7], 10, ignore_eos=True)
     router.step()
     other = PROMPTS[4][:8] + [42]

@@ -21,9 +21,9 @@ from pagemill.cpu_kernels.rowwise import greedy_kernel
 from pagemill.models.loader import load_model
 from pagemill.proto import pb
 from pagemill.sampling import Sampler, SamplingParams
-from pagemill.shard.engine import ModelRunner
+from pagemill.shard.model_runner import ModelRunner
 from pagemill.shard.errors import ShardError
-from pagemill.shard.harness import FakeRouter
+from pagemill.bench.block_router import BlockRouter
 from pagemill.shard.kv_pool import KVPool
 from pagemill.shard.requests import Entry, Limits, check_step
 from pagemill.shard.step_inputs import build_inputs, slot
@@ -56,7 +56,7 @@ def run(runner: ModelRunner, widen: bool):
     if widen:  # the reference: float32 logits into the sampler, as before head_logits
         head = runner.model.head_logits
         runner.model.head_logits = lambda hidden: head(hidden).float()
-    router = FakeRouter.for_runner(runner)
+    router = BlockRouter.for_runner(runner)
     outs = [router.add(i, [3 + 5 * i + t for t in range(6 + i)], 8, ignore_eos=True, **kw)
             for i, kw in enumerate(PARAMS.values())]
     while router.requests:

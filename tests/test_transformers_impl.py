@@ -53,7 +53,7 @@ def test_cached_prefix_gives_same_logits(no_native_model):
 
 
 def test_shard_reports_the_implementation(no_native_model):
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     _, path, _ = no_native_model
     model, config = load_model(path, "float32", "cpu")

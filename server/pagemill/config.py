@@ -54,7 +54,7 @@ class ShardConfig:
     gpu_memory_utilization: float = option(0.9, help="share of the GPU's free memory the shard may use (CUDA)")
     attention: str = option("auto", choices=("auto", "flash", "triton", "torch"), help="attention backend")
     num_threads: int = option(0, help="torch threads per shard (0: torch default)")
-    # shard/placement.py, docs/cpu.md
+    # shard/cpu_pinning.py, docs/cpu.md
     cpu_bind: str = option("auto", help="cores a CPU shard's threads are pinned to, one OpenMP thread per core: "
                                         "auto (the first --num-threads cores this process may use; `launch` gives "
                                         "several shards disjoint ones), none, or a list such as 0-3,8")

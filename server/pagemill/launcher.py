@@ -23,7 +23,7 @@ from pagemill.config import check_quantize
 from pagemill.models.impl import choose_impl
 from pagemill.models.auto_dtype import resolve_dtype
 from pagemill.options import ROUTER_OPTIONS, dataclass_argv, flag_value, router_argv, router_env
-from pagemill.shard.placement import allowed_cores, explicit_cores, launch_slices
+from pagemill.shard.cpu_pinning import allowed_cores, explicit_cores, launch_slices
 
 _PR_SET_PDEATHSIG = 1
 
@@ -104,7 +104,7 @@ def _threads_per_shard(a: argparse.Namespace) -> int:
 
 def _cpu_binds(a: argparse.Namespace, threads: int) -> list[str]:
     """Each shard process's --cpu-bind: several CPU shards on this host get disjoint cores
-    (shard/placement.py), each `threads` of them."""
+    (shard/cpu_pinning.py), each `threads` of them."""
     processes = a.num_shard * a.data_parallel
     allowed = allowed_cores()
     if a.device != "cpu" or allowed is None:

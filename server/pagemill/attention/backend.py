@@ -106,7 +106,7 @@ def _torch(device: torch.device, cpu_kernels: bool) -> AttentionBackend:
     from pagemill.attention.torch_backend import TorchAttentionBackend
 
     if cpu_kernels and device.type == "cpu":
-        from pagemill.cpu_kernels import decode_kernels
+        from pagemill.cpu_kernels.decode import decode_kernels
 
         return TorchAttentionBackend(decode_kernels())
     return TorchAttentionBackend()

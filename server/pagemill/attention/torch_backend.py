@@ -8,7 +8,7 @@ h // (heads // kv_heads), as HF's repeat_kv does: prefill through SDPA's
 enable_gqa, decode by folding each kv head's query heads into query rows.
 
 Given the compiled CPU kernels (`--cpu-kernels`, the default; see
-cpu_kernels/decode.cpp, prefill_attention.h), float32 and bfloat16 decode and prefill on
+cpu_kernels/csrc/decode/decode.cpp, prefill_attention.h), float32 and bfloat16 decode and prefill on
 the CPU read the paged cache in place instead of gathering it; `TorchAttentionBackend()` alone is the pure
 torch reference the tests compare against.
 """
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from pagemill.attention.kv_dtype import KV_SCALE, is_int8, widen, write_rows
-from pagemill.cpu_kernels import FP8_CACHE, DecodeKernels
+from pagemill.cpu_kernels.decode import DecodeKernels, FP8_CACHE
 from pagemill.attention.metadata import AttentionMetadata
 
 
@@ -33,7 +33,7 @@ class TorchAttentionBackend:
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         if self.kernels is not None and self.kernels.write_kv_applies(k, v, k_cache, v_cache, slot_mapping):
-            # A pool in k's dtype: both row copies in one compiled call (cpu_kernels/kv_write.cpp).
+            # A pool in k's dtype: both row copies in one compiled call (cpu_kernels/csrc/attention/kv_write.cpp).
             self.kernels.write_kv(k, v, k_cache, v_cache, slot_mapping)
             return
         # [num_blocks, block_size, kv_heads, pitch] viewed as one row per slot (pitch: head_dim, + 4
@@ -54,7 +54,7 @@ class TorchAttentionBackend:
         if usable and k_cache.dtype == q.dtype and meta.cu_seqlens_q.dtype == torch.int32 \
                 and meta.cu_seqlens_q.is_contiguous():
             # A pool of q's dtype: each sequence's chunk in tiles of tokens x the query heads of a
-            # kv head, each reading the keys once (cpu_kernels/prefill_attention.h).
+            # kv head, each reading the keys once (cpu_kernels/csrc/attention/prefill_attention.h).
             return self._kernel_chunks(q, k_cache, v_cache, meta, scale, window)
         # Over int8 pools the decode kernel dequantizes as it reads, so chunks over cached blocks
         # never widen the whole prefix.

@@ -205,7 +205,7 @@ def _sweep(a: argparse.Namespace) -> dict:
     from pagemill.bench.sweep import as_dicts, run_sweep, sweep_table
     from pagemill.cli import parse_bytes
     from pagemill.config import ShardConfig
-    from pagemill.shard.engine import ModelRunner
+    from pagemill.shard.model_runner import ModelRunner
 
     cfg = ShardConfig(model_dir=resolve_model_dir(a.model_dir), uds_path="", kv_cache_memory=parse_bytes(a.kv_cache_memory))
     runner = ModelRunner.from_shard_config(cfg)

@@ -8,12 +8,12 @@ sequence, and must do 2 FLOPs per weight per token plus attention. So
 
 bandwidth: the better of a large tensor copy (read + write counted) and a
 large read (the faster of torch's sum and a compiled loop of plain loads,
-cpu_kernels/read_rate.cpp, where it builds), both far beyond the last-level
+cpu_kernels/csrc/common/read_rate.cpp, where it builds), both far beyond the last-level
 cache and in huge pages where the OS grants them, as a shard's weights and
 KV pool are (models/huge_pages.py). On the 2-vCPU Xeon of docs/benchmarks.md
 a 512 MiB sum read 22.8 GB/s from 4 KiB pages and 30.1 from huge pages, the
 compiled loop 26.1 and 30.9; once the decode linears asked for their weights
-ahead of use (cpu_kernels/vec.h), a batch-1 step read its weights faster
+ahead of use (cpu_kernels/csrc/common/vec.h), a batch-1 step read its weights faster
 than the 4 KiB sum's rate, so that floor was no floor. matmul rate: a
 large float32 torch.mm (and the same in bfloat16 for bf16 floors). Both with
 the torch thread count in force.
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from pagemill.cpu_kernels import plain_read
+from pagemill.cpu_kernels.read_rate import plain_read
 from pagemill.models.config import ModelConfig
 from pagemill.models.huge_pages import huge_zeros
 

@@ -1,6 +1,6 @@
 """Drives a ModelRunner directly, the way the router would, without HTTP or gRPC.
 
-The block arithmetic is shard/harness.py's FakeRouter; this adds timing and
+The block arithmetic is bench/block_router.py's BlockRouter; this adds timing and
 a batch handle (the request ids of one prefill). Requests run with
 ignore_eos so every step has the batch size asked for.
 """
@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from pagemill.proto import pb
-from pagemill.shard.engine import ModelRunner
-from pagemill.shard.harness import FakeRouter
+from pagemill.shard.model_runner import ModelRunner
+from pagemill.bench.block_router import BlockRouter
 
 
 @dataclass
@@ -28,7 +28,7 @@ class ShardDriver:
     def __init__(self, runner: ModelRunner) -> None:
         if runner.pool is None:
             raise ValueError("warm the runner up first")
-        self.router = FakeRouter.for_runner(runner)
+        self.router = BlockRouter.for_runner(runner)
         self.next_id = 0
 
     @property

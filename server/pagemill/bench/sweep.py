@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 from pagemill.bench.roofline import Machine, decode_floor
 from pagemill.bench.shard_driver import ShardDriver, random_prompts, warm_runner
-from pagemill.shard.engine import ModelRunner
+from pagemill.shard.model_runner import ModelRunner
 
 
 @dataclass

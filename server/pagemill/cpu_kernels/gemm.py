@@ -7,7 +7,7 @@ import ctypes
 import torch
 import torch.nn.functional as F
 
-from pagemill.cpu_kernels import _library, _wrapper
+from pagemill.cpu_kernels.build import library, wrapper
 
 # Output channels per packed block and activations per 32-bit lane (gemm_bf16.h's layout).
 BLOCK_N = 16
@@ -87,5 +87,5 @@ class GemmBf16Kernel:
 
 def gemm_bf16_kernel() -> GemmBf16Kernel | None:
     """The process-wide bf16 gemm, built or loaded on first call; None where unavailable."""
-    lib = _library()
-    return None if lib is None else _wrapper("gemm_bf16", GemmBf16Kernel, lib)
+    lib = library()
+    return None if lib is None else wrapper("gemm_bf16", GemmBf16Kernel, lib)

@@ -6,7 +6,7 @@ import ctypes
 
 import torch
 
-from pagemill.cpu_kernels import _library, _wrapper
+from pagemill.cpu_kernels.build import library, wrapper
 
 # Output channels per packed block and activations per 32-bit lane (int8_linear.cpp's layout).
 BLOCK_N = 16
@@ -45,5 +45,5 @@ class Int8LinearKernel:
 
 def int8_kernel() -> Int8LinearKernel | None:
     """The process-wide int8 linear, built or loaded on first call; None where unavailable."""
-    lib = _library()
-    return None if lib is None else _wrapper("int8", Int8LinearKernel, lib)
+    lib = library()
+    return None if lib is None else wrapper("int8", Int8LinearKernel, lib)

@@ -7,7 +7,7 @@ import ctypes
 
 import torch
 
-from pagemill.cpu_kernels import _library, _wrapper
+from pagemill.cpu_kernels.build import library, wrapper
 
 
 class GreedyKernel:
@@ -106,17 +106,17 @@ class ElementwiseKernels:
 
 def elementwise_kernels() -> ElementwiseKernels | None:
     """The process-wide element-wise kernels; None where unavailable."""
-    lib = _library()
-    return None if lib is None else _wrapper("elementwise", ElementwiseKernels, lib)
+    lib = library()
+    return None if lib is None else wrapper("elementwise", ElementwiseKernels, lib)
 
 
 def norm_kernel() -> NormKernel | None:
     """The process-wide RMSNorm kernel; None where unavailable."""
-    lib = _library()
-    return None if lib is None else _wrapper("norm", NormKernel, lib)
+    lib = library()
+    return None if lib is None else wrapper("norm", NormKernel, lib)
 
 
 def greedy_kernel() -> GreedyKernel | None:
     """The process-wide greedy kernel; None where unavailable."""
-    lib = _library()
-    return None if lib is None else _wrapper("greedy", GreedyKernel, lib)
+    lib = library()
+    return None if lib is None else wrapper("greedy", GreedyKernel, lib)

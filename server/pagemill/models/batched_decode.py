@@ -1,4 +1,4 @@
-"""Batched bf16 steps through one compiled call for all layers (cpu_kernels/decode_batched.cpp).
+"""Batched bf16 steps through one compiled call for all layers (cpu_kernels/csrc/decode/decode_batched.cpp).
 
 Why: from ~5 sequences a bf16 decode step takes the module path, whose
 linears run gemm_bf16's tiles at close to the cores' multiply rate, but each
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from pagemill.attention.metadata import AttentionMetadata
-from pagemill.cpu_kernels import DecodeKernels
+from pagemill.cpu_kernels.decode import DecodeKernels
 from pagemill.models.fused_decode import LayerDims, pool_pointers, step_tables
 from pagemill.models.layers import MLP, RMSNorm
 

@@ -1,4 +1,4 @@
-"""Small-batch decode through the compiled whole-layer kernel (cpu_kernels/decode.cpp).
+"""Small-batch decode through the compiled whole-layer kernel (cpu_kernels/csrc/decode/decode.cpp).
 
 Why: at small batch on the CPU a decode step is a stream over the weights,
 and the ~25 small torch ops per layer around the linears (norms, rotary, KV
@@ -41,7 +41,8 @@ import torch
 from torch import nn
 
 from pagemill.attention.metadata import AttentionMetadata
-from pagemill.cpu_kernels import BF16_MUL, DecodeKernels
+from pagemill.cpu_kernels.decode import DecodeKernels
+from pagemill.cpu_kernels.matvec import BF16_MUL
 from pagemill.models.quantized_linear import QuantizedLinear
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -103,7 +104,7 @@ class LayerDims:
 
 def pool_pointers(kv_caches: Sequence[KVCache], layers: int, who: str) -> torch.Tensor:
     """The layers' pools as the whole-model calls take them: [k0, v0, k1, v1, ...] addresses
-    (cpu_kernels/each_layer.h); one (k, v) pair per layer or ValueError, before anything runs."""
+    (cpu_kernels/csrc/common/each_layer.h); one (k, v) pair per layer or ValueError, before anything runs."""
     if len(kv_caches) != layers:
         raise ValueError(f"{who}: {len(kv_caches)} KV caches for {layers} layers")
     return torch.tensor([t.data_ptr() for pair in kv_caches for t in pair], dtype=torch.int64)

@@ -165,7 +165,7 @@ class MLP(nn.Module):
     # cpu_kernels.rowwise.ElementwiseKernels for bf16 rows on the CPU (silu(gate) * up in one pass), set by pack_weights
     kernels = None
     # (GemmBf16Kernel, interleaved packed gate_up, interleaved bias or None): gate_up and silu * up in one GEMM
-    # (cpu_kernels/gemm_bf16.h's SwiGLU epilogue), set by pack_swiglu
+    # (cpu_kernels/csrc/gemm/gemm_bf16.h's SwiGLU epilogue), set by pack_swiglu
     swiglu = None
 
     def __init__(

@@ -217,7 +217,7 @@ class LlamaForCausalLM(nn.Module):
             self.model.batched = None
         norm = elementwise = None
         if cpu_kernels:
-            from pagemill.cpu_kernels import decode_kernels
+            from pagemill.cpu_kernels.decode import decode_kernels
             from pagemill.cpu_kernels.rowwise import elementwise_kernels, norm_kernel
 
             self.model.fused = FusedDecoder.build(self, decode_kernels())

@@ -17,7 +17,7 @@ At MATVEC_MAX_ROWS (1) row a compiled matrix-vector kernel
 (pagemill.cpu_kernels) beats both: it reads the plain weight at close to
 memory speed.
 
-bfloat16 on a CPU with AVX512-BF16: a compiled GEMM (cpu_kernels/gemm_bf16.h)
+bfloat16 on a CPU with AVX512-BF16: a compiled GEMM (cpu_kernels/csrc/gemm/gemm_bf16.h)
 over its own packed copy replaces oneDNN's at every row count from 2, in place
 of the oneDNN copy (the memory is the same). In a decode step it streams the
 weights at close to memory speed where oneDNN's did not, and multiplies at the
@@ -110,7 +110,7 @@ class PackedLinear(nn.Linear):
         if self.gemm is None and (w.dtype == torch.float32 or PACK_BF16):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _PACK_HINT)
         if cpu_kernels and w.is_contiguous():
-            from pagemill.cpu_kernels import matvec_kernel
+            from pagemill.cpu_kernels.matvec import matvec_kernel
 
             self.matvec = matvec_kernel()
 

@@ -4,7 +4,7 @@ Every linear of the decoder layers (q/k/v, o, gate/up, down) and the output
 head is replaced after loading by a QuantizedLinear: symmetric int8 weights
 per output channel, activations quantized to int8 per row (token) on every
 call, products summed in int32 and scaled back to the model dtype
-(cpu_kernels/int8_linear.cpp, AVX512-VNNI where the CPU has it). Norms,
+(cpu_kernels/csrc/int8/int8_linear.cpp, AVX512-VNNI where the CPU has it). Norms,
 rotary, attention, the KV cache and the embedding lookup stay in the
 configured --dtype.
 

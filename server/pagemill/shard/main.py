@@ -14,11 +14,11 @@ import torch
 
 from pagemill.config import ShardConfig
 from pagemill.parallel.group import ParallelConfig, ParallelGroup, rank_device
-from pagemill.shard.allocator import keep_freed_memory
+from pagemill.shard.malloc_tuning import keep_freed_memory
 from pagemill.shard.auth import TokenAuth, read_token
 from pagemill.shard.gil import shorten_gil_switch
-from pagemill.shard.engine import ModelRunner
-from pagemill.shard.placement import Placement, allowed_cores, pin_team, pin_this_thread, plan_placement
+from pagemill.shard.model_runner import ModelRunner
+from pagemill.shard.cpu_pinning import Placement, allowed_cores, pin_team, pin_this_thread, plan_placement
 from pagemill.shard.service import ShardService, new_model_thread
 
 log = logging.getLogger("pagemill.shard")
@@ -68,9 +68,9 @@ def _load(config: ShardConfig, group: ParallelGroup, placement: Placement | None
     if config.num_threads > 0:
         torch.set_num_threads(config.num_threads)
     if placement is not None:  # the team, before its first parallel region anywhere else
-        from pagemill.cpu_kernels import _library
+        from pagemill.cpu_kernels.build import library
 
-        if pin_team(_library(), placement.cores):
+        if pin_team(library(), placement.cores):
             log.info("OpenMP threads pinned to cores %s (--cpu-bind %s)", placement.cores, config.cpu_bind)
         else:
             log.warning("could not pin every OpenMP thread to cores %s", placement.cores)
@@ -78,7 +78,7 @@ def _load(config: ShardConfig, group: ParallelGroup, placement: Placement | None
 
 
 def _placement(config: ShardConfig) -> Placement | None:
-    """shard/placement.py's plan for this shard, with this thread already pinned; None: nothing
+    """shard/cpu_pinning.py's plan for this shard, with this thread already pinned; None: nothing
     pinned (not a CPU shard with compiled kernels, or the plan says why not)."""
     if config.device.split(":")[0] != "cpu":
         return None
@@ -87,9 +87,9 @@ def _placement(config: ShardConfig) -> Placement | None:
     plan, why = (None, "the OS gives no affinity") if allowed is None else \
         plan_placement(config.cpu_bind, allowed, threads, config.local_rank or 0)  # fmt: skip
     if plan is not None:
-        from pagemill.cpu_kernels import _library
+        from pagemill.cpu_kernels.build import library
 
-        if not config.cpu_kernels or _library() is None:  # built now, on this thread
+        if not config.cpu_kernels or library() is None:  # built now, on this thread
             plan, why = None, "no compiled CPU kernels to pin the team with"
     if plan is None:
         log.info("threads not pinned to cores: %s", why)

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from pagemill.proto import SERVICE_NAME, pb
-from pagemill.shard.engine import ModelRunner
+from pagemill.shard.model_runner import ModelRunner
 from pagemill.shard.errors import ShardError
 
 log = logging.getLogger(__name__)
