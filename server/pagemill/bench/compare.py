@@ -4,7 +4,7 @@ Each configuration runs alone, fresh, `--runs` times (interleaved: run 1 of
 every server, then run 2...), so a warm prefix cache or a noisy minute
 does not favour one server:
 
-  wait for an idle machine (1-min load average) -> its read bandwidth (the
+  wait for an idle machine (busy CPUs over 2 s) -> its read bandwidth (the
   batch-1 memory floor at the server's precision) -> launch -> wait for
   /health -> warm up -> resident memory of the whole process tree ->
   the c=64 workload -> the batch-1 workload -> stop the whole tree.
@@ -15,6 +15,8 @@ Every server gets the same seeded requests through the same load generator
 after a streamed response, so all servers are driven alike). Every request's
 output is checked against the tokens it asked for; a server that stops
 early is flagged in the table, not dropped. Figures are medians over runs.
+`--out` is the benchmark's folder: the latest run's files replace the last
+ones there, and each run appends a row to its history.jsonl (bench/history.py).
 Install the peers first: benchmarks/peers/install.sh.
 """
 
@@ -36,6 +38,7 @@ import httpx
 
 from pagemill.bench import compare_report as rep
 from pagemill.bench import cpu_idle
+from pagemill.bench import history
 from pagemill.bench.datasets import uniform_dataset
 from pagemill.bench.load import LoadConfig, run_load, warm
 from pagemill.bench import server_probe as probe
@@ -264,12 +267,14 @@ def run_compare(a) -> dict:
                 _log(f"  failed: {type(e).__name__}: {e}")
                 r = {"failed": f"{type(e).__name__}: {e}"}
             entry["runs"].append(r)
-            write(res, a.out, a.merge)
+            write(res, a.out, a.merge, record=False)
     return write(res, a.out, a.merge)
 
 
-def write(res: dict, out: str, merge: str | None = None) -> dict:
-    """results JSON, table and plot from whatever runs exist so far."""
+def write(res: dict, out: str, merge: str | None = None, record: bool = True) -> dict:
+    """The latest run's files in `out` (compare.json, compare.md, compare.png: replaced by each
+    call, so they show whatever runs exist so far) and, with `record`, one row of its headline
+    figures appended to `out`/history.jsonl (bench/history.py): the run's record over time."""
     servers = list(res["servers"])
     if merge:  # servers of an earlier compare that this one did not re-run
         with open(merge) as f:
@@ -294,4 +299,7 @@ def write(res: dict, out: str, merge: str | None = None) -> dict:
         compare_plot(servers, rep.cpu_line(res["cpu"]), res["args"]["concurrency"], os.path.join(out, "compare.png"))
     except ImportError as e:  # matplotlib is in the optional `bench` extra
         _log(f"no plot: {e}")
+    if record:
+        path = history.append_history(out, history.history_row(res, history.git_commit()))
+        _log(f"history: {path}")
     return res
