@@ -11,7 +11,7 @@ of those backends with decode replayed from a CUDA graph (shard/cuda_graphs.py,
 one graph captured per batch size, inputs copied into its static buffers each
 step as the shard does); on CPU that path runs the static-buffer forward eagerly.
 
-Run by scripts/gpu_check.sh; runs on CPU too (tests, smoke runs).
+Run by scripts/gpu_check.sh (from benchmarks/); runs on CPU too (tests, smoke runs).
 """
 
 from __future__ import annotations

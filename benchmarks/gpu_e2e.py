@@ -9,7 +9,7 @@ so near-ties may flip and exact greedy equality is too strict a test; a
 broken attention kernel picks tokens far below the argmax. How many leading
 tokens equal HF's own greedy continuation is reported too.
 
-Run by scripts/gpu_check.sh; `--json PATH` writes the results.
+Run by scripts/gpu_check.sh (from benchmarks/); `--json PATH` writes the results.
 """
 
 from __future__ import annotations
