@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
+
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
+
 H200_HBM_BYTES_PER_S = 4.8e12
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
