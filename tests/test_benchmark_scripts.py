@@ -5,6 +5,7 @@ repository (they find it from their own path), quickly, without loading a model.
 from __future__ import annotations
 
 import contextlib
+import json
 import io
 import runpy
 import subprocess
@@ -85,3 +86,25 @@ def test_repo_paths_come_from_the_file():
     assert _repo.ROOT == ROOT and (_repo.ROOT / "server" / "pagemill").is_dir()
     assert _repo.results("compare-c64") == str(ROOT / "benchmarks" / "results" / "compare-c64")
     assert _repo.results("kv-cache", "kv_cache.json").endswith("benchmarks/results/kv-cache/kv_cache.json")
+
+
+def test_kernel_ab_swaps_every_binding_and_runs_both_step_kinds(llama_dir, tmp_path):
+    """benchmarks/kernel_ab.py on a tiny model with the same library as A and B: it finds the
+    kernel bindings the runner holds, swaps them, and times decode and prefill steps."""
+    from pagemill.cpu_kernels.build import library
+
+    lib = library()
+    if lib is None:
+        pytest.skip("no C++ compiler: no kernel library to swap")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import kernel_ab
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    common = ["--lib-a", lib._name, "--lib-b", lib._name, "--model", llama_dir, "--dtype", "float32", "--threads", "1"]
+    out = tmp_path / "ab.json"
+    res = kernel_ab.main([*common, "--json", str(out), "decode", "--batch", "2", "--prompt", "8", "--steps", "2"])
+    assert res["kernel_bindings_swapped"] > 0 and len(res["ms"]["A"]) == len(res["ms"]["B"]) == 2
+    assert json.loads(out.read_text())["what"] == "decode"
+    res = kernel_ab.main([*common, "prefill", "--batch", "2", "--prompt", "8", "--reps", "2"])
+    assert res["median_ms"]["A"] > 0 and res["median_ms"]["B"] > 0
