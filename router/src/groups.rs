@@ -12,7 +12,7 @@ use crate::kv::KvManager;
 use crate::placement::{GroupHandle, Placer, Routing};
 use crate::proto::pb;
 use crate::scheduler::{Scheduler, SchedulerConfig};
-use crate::state::RouterState;
+use crate::shared_state::RouterState;
 
 pub struct Group {
     pub client: ShardedClient,

@@ -12,12 +12,13 @@ use rand::Rng;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::RouterError;
-use crate::http::types::{GenerateParameters, PrefillToken, Token};
 use crate::placement::Placer;
 use crate::queue::{Entry, ResponseRx};
-use crate::state::RouterState;
+use crate::request::{GenerateParameters, ValidRequest};
+use crate::response::{PrefillToken, Token};
+use crate::shared_state::RouterState;
 use crate::stream::{GeneratedText, InferStreamResponse, TextContext, TextStream};
-use crate::validation::{ValidRequest, Validation};
+use crate::validation::Validation;
 
 #[derive(Clone)]
 pub struct Infer {

@@ -12,15 +12,16 @@ pub mod http;
 pub mod infer;
 pub mod kv;
 pub mod metrics;
-mod metrics_tier;
 pub mod placement;
 pub mod proto;
 #[cfg(feature = "python")]
 mod python;
 pub mod queue;
 pub mod reasoning;
+pub mod request;
+pub mod response;
 pub mod scheduler;
-pub mod state;
+pub mod shared_state;
 pub mod stop;
 pub mod stream;
 pub mod tools;
@@ -40,7 +41,7 @@ use crate::kv::KvManager;
 use crate::proto::pb;
 use crate::scheduler::admission::Budget;
 use crate::scheduler::{AdmissionOrder, SchedulerConfig};
-use crate::state::RouterState;
+use crate::shared_state::RouterState;
 use crate::validation::{Limits, Validation};
 
 /// Connects to the shards, warms them up, and serves until SIGINT/SIGTERM.

@@ -8,7 +8,7 @@ use tokio::sync::mpsc;
 
 use crate::error::RouterError;
 use crate::proto::pb;
-use crate::validation::ValidRequest;
+use crate::request::ValidRequest;
 
 pub type ResponseTx = mpsc::UnboundedSender<Result<SeqEvent, RouterError>>;
 pub type ResponseRx = mpsc::UnboundedReceiver<Result<SeqEvent, RouterError>>;

@@ -11,10 +11,10 @@ use std::time::Instant;
 use tokenizers::Tokenizer;
 
 use crate::detokenize::IncrementalDecoder;
-use crate::http::types::{FinishReason, PrefillToken, Token};
 use crate::queue::{Finish, SeqEvent};
+use crate::request::ValidRequest;
+use crate::response::{FinishReason, PrefillToken, Token};
 use crate::stop::{StopMatcher, StopResult};
-use crate::validation::ValidRequest;
 
 #[derive(Debug, Clone)]
 pub struct GeneratedText {

@@ -1,14 +1,16 @@
 //! Turns an HTTP request into a `ValidRequest`: parameters checked, prompt
 //! tokenized and measured against the token limits. Every rejection is a 422.
+//! TGI's rule that any sampling knob implies sampling is applied here, the
+//! one place: the shard samples exactly when `do_sample` says so.
 
 use std::sync::Arc;
 
 use tokenizers::Tokenizer;
 
 use crate::error::RouterError;
-use crate::http::types::GenerateParameters;
+use crate::kv::{lifetime_blocks, too_large};
 use crate::proto::pb;
-use crate::scheduler::too_large::{lifetime_blocks, too_large};
+use crate::request::{GenerateParameters, ValidRequest};
 
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -33,29 +35,6 @@ pub struct Limits {
 pub const MAX_TOKEN_ID_LIST: usize = 300;
 /// `logit_bias` values are in [-BIAS_RANGE, BIAS_RANGE], as OpenAI's.
 pub const BIAS_RANGE: f32 = 100.0;
-
-#[derive(Debug, Clone)]
-pub struct ValidRequest {
-    pub inputs: String,
-    pub input_ids: Vec<u32>,
-    pub parameters: pb::NextTokenChooserParameters,
-    pub max_new_tokens: u32,
-    pub ignore_eos: bool,
-    /// EOS and `stop_token_ids` are held back until this many tokens are out.
-    pub min_new_tokens: u32,
-    pub stop_token_ids: Vec<u32>,
-    pub stop_sequences: Vec<String>,
-    pub top_n_tokens: u32,
-    pub decoder_input_details: bool,
-    pub seed: Option<u64>,
-    /// Constrained decoding, checked here (schema is an object, regex compiles).
-    pub grammar: Option<pb::Grammar>,
-    /// Scheduling priority: lower values are admitted first and preempted
-    /// last (as vLLM's); 0 by default.
-    pub priority: i32,
-    /// Who sent it (`user`), for the per-tenant cap; None: not capped.
-    pub tenant: Option<String>,
-}
 
 #[derive(Clone)]
 pub struct Validation {
@@ -340,7 +319,7 @@ mod tests {
     use std::str::FromStr;
 
     use super::*;
-    use crate::http::types::SamplingExtras;
+    use crate::request::SamplingExtras;
 
     /// A word-level tokenizer over "a b c" and a model vocabulary of 10 ids.
     fn validation() -> Validation {

@@ -24,7 +24,7 @@ use crate::chat_template::LoadedTemplate;
 use crate::client::ShardedClient;
 use crate::error::RouterError;
 use crate::infer::Infer;
-use crate::state::RouterState;
+use crate::shared_state::RouterState;
 
 /// Static facts for `/info`, fixed at startup. Field names follow TGI's
 /// `/info` so TGI clients and dashboards read them.

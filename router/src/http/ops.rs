@@ -11,7 +11,7 @@ use serde_json::json;
 
 use super::{AppState, ServerInfo};
 use crate::error::{ErrorBody, RouterError};
-use crate::state::RouterState;
+use crate::shared_state::RouterState;
 
 /// 200 `{"status": "ok"}` when the batching loops run and every shard
 /// group serves; 200 `{"status": "degraded", "groups": [...]}` while some
@@ -95,7 +95,7 @@ pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
     Json(v)
 }
 
-fn group_info(i: usize, g: &crate::state::GroupStats) -> serde_json::Value {
+fn group_info(i: usize, g: &crate::shared_state::GroupStats) -> serde_json::Value {
     let get = RouterState::get;
     json!({
         "group": i,

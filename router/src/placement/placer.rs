@@ -12,7 +12,7 @@ use crate::error::RouterError;
 use crate::kv::KvManager;
 use crate::queue::{Entry, ResponseTx};
 use crate::scheduler::sequence::Sequence;
-use crate::state::{GroupStats, RouterState};
+use crate::shared_state::{GroupStats, RouterState};
 
 /// What a group's loop receives.
 #[derive(Debug)]

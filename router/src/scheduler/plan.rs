@@ -14,8 +14,9 @@ use super::priority_preempt::preempt_for_priority;
 use super::prompts::schedule_prompts;
 use super::sequence::Sequence;
 use super::state::State;
-use super::too_large::{reject_never_admissible, too_large};
+use super::too_large::reject_never_admissible;
 use crate::error::RouterError;
+use crate::kv::too_large;
 use crate::proto::pb;
 
 /// One scheduled range of one sequence, as the plan promised it.

@@ -21,7 +21,7 @@ use crate::kv::KvManager;
 use crate::placement::Arrival;
 use crate::queue::ResponseTx;
 use crate::scheduler::sequence::Sequence;
-use crate::state::RouterState;
+use crate::shared_state::RouterState;
 
 /// How often a group out of rotation asks its shards whether they are back.
 const PROBE_EVERY: Duration = Duration::from_millis(500);

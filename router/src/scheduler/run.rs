@@ -25,7 +25,7 @@ use crate::error::RouterError;
 use crate::placement::{Arrival, Placer};
 use crate::proto::pb;
 use crate::queue::ResponseTx;
-use crate::state::{GroupStats, RouterState};
+use crate::shared_state::{GroupStats, RouterState};
 
 pub(super) const IDLE_WAIT: std::time::Duration = std::time::Duration::from_millis(20);
 

@@ -13,14 +13,13 @@ use super::admission::Budget;
 use super::fake_shard::{next_token, FakeShard, EOS};
 use super::plan::schedule;
 use super::state::State;
-use super::too_large::lifetime_blocks;
 use super::update::{is_terminal, update};
 use super::{AdmissionOrder, SchedulerConfig};
 use crate::error::RouterError;
-use crate::kv::KvManager;
+use crate::kv::{lifetime_blocks, KvManager};
 use crate::proto::pb;
 use crate::queue::{Entry, Finish, SeqEvent};
-use crate::validation::ValidRequest;
+use crate::request::ValidRequest;
 
 pub(super) const BS: u32 = 4;
 

@@ -16,10 +16,10 @@ use super::openai::prepare::{prepare, PreparedChat};
 use super::openai::reply::{self, StreamSplitter};
 use super::openai::stream::{self as chat_stream, ChoiceEvent, ChoiceMsg, Framing};
 use super::openai::ResponseMeta;
-use super::types::FinishReason;
 use super::AppState;
 use crate::error::{AnthropicErrorBody, RouterError};
 use crate::http::tenant::Tenant;
+use crate::response::FinishReason;
 use types::{MessagesRequest, MessagesResponse, MessagesUsage, OutputBlock};
 
 /// Anthropic's tool-use ids look like `toolu_...`; the random part is the call id's.

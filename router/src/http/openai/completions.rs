@@ -12,9 +12,9 @@ use super::{logprobs, ResponseMeta};
 use crate::error::{OpenAiErrorBody, RouterError};
 use crate::http::extract::OpenAiJson;
 use crate::http::tenant::Tenant;
-use crate::http::types::PrefillToken;
 use crate::http::{headers, AppState};
 use crate::infer::GenerateInput;
+use crate::response::PrefillToken;
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())

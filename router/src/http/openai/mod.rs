@@ -16,9 +16,9 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::extract::State;
 use axum::Json;
 
-use super::types::{GenerateParameters, SamplingExtras};
 use super::AppState;
 use crate::error::{OpenAiErrorBody, RouterError};
+use crate::request::{GenerateParameters, SamplingExtras};
 use types::{ModelCard, ModelList, SamplingParams};
 
 /// What every response and chunk of one request repeats.

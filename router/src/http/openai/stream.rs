@@ -13,8 +13,8 @@ use futures::stream::{self, BoxStream, SelectAll, StreamExt};
 use super::types::Usage;
 use crate::error::RouterError;
 use crate::http::tgi::json_event;
-use crate::http::types::Token;
 use crate::infer::StreamHandle;
+use crate::response::Token;
 use crate::stream::{GeneratedText, InferStreamResponse};
 
 /// One step of one choice.

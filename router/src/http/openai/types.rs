@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
 use crate::grammar::ResponseFormat;
-use crate::http::types::null_default;
+use crate::request::null_default;
 use crate::tools::{Tool, ToolChoice};
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]

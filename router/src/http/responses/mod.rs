@@ -17,10 +17,10 @@ use super::openai::prepare::{prepare, PreparedChat};
 use super::openai::reply::{self, StreamSplitter};
 use super::openai::stream::{self as chat_stream, ChoiceEvent, ChoiceMsg, OPENAI};
 use super::openai::{unix_now, ResponseMeta};
-use super::types::FinishReason;
 use super::AppState;
 use crate::error::{OpenAiErrorBody, RouterError};
 use crate::http::tenant::Tenant;
+use crate::response::FinishReason;
 use types::{ResponseObject, ResponsesRequest};
 
 pub fn message_item(id: &str, text: &str, status: &str) -> Value {

@@ -2,21 +2,25 @@
 //! hits and misses, blocks and bytes moved each way, and load time against
 //! the prefill time the loads saved.
 
-use std::sync::atomic::AtomicU64;
-
-use crate::state::RouterState;
+use super::exposition::{get, scalar, Series};
+use crate::shared_state::RouterState;
 
 pub fn render(st: &RouterState, out: &mut String) {
-    let get = |v: &AtomicU64| RouterState::get(v) as f64;
     let bytes = get(&st.kv_tier_block_bytes);
-    let gauges: [(&str, &str, f64); 2] = [
+    let gauges: [Series; 2] = [
         ("pagemill_kv_tier_blocks", "KV blocks held by the second tier", get(&st.kv_tier_blocks)),
         ("pagemill_kv_tier_bytes", "Bytes held by the second tier", get(&st.kv_tier_blocks) * bytes),
     ];
     for (name, help, v) in gauges {
-        super::metrics::scalar(out, name, "gauge", help, v);
+        scalar(out, name, "gauge", help, v);
     }
-    let counters: [(&str, &str, f64); 13] = [
+    for (name, help, v) in counters(st, bytes) {
+        scalar(out, name, "counter", help, v);
+    }
+}
+
+fn counters(st: &RouterState, bytes: f64) -> [Series<'static>; 13] {
+    [
         (
             "pagemill_kv_tier_hit_blocks_total",
             "Prompt blocks past the prefix cache found in the second tier",
@@ -82,8 +86,5 @@ pub fn render(st: &RouterState, out: &mut String) {
             "Prefill time the loaded blocks would have cost, at the rate measured at warmup",
             get(&st.kv_tier_recompute_saved_ns_total) / 1e9,
         ),
-    ];
-    for (name, help, v) in counters {
-        super::metrics::scalar(out, name, "counter", help, v);
-    }
+    ]
 }

@@ -1,4 +1,6 @@
-//! Counters shared between the scheduler (writer) and HTTP handlers (readers).
+//! The router's shared figures and health flags: counters and gauges the batching
+//! loops write and the HTTP side reads (`/metrics`, `/info`, `/health`), plus the
+//! drain and liveness flags. One `RouterState` per router (and per unit test).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
