@@ -12,10 +12,10 @@ use rand::Rng;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::RouterError;
-use crate::placement::Placer;
 use crate::queue::{Entry, ResponseRx};
 use crate::request::{GenerateParameters, ValidRequest};
 use crate::response::{PrefillToken, Token};
+use crate::routing::Placer;
 use crate::shared_state::RouterState;
 use crate::stream::{GeneratedText, InferStreamResponse, TextContext, TextStream};
 use crate::validation::Validation;

@@ -1,6 +1,7 @@
 //! pagemill router: HTTP/SSE API, validation, continuous batching, paged KV
 //! accounting and the gRPC client to the model shards.
 
+pub mod batching;
 pub mod chat_template;
 pub mod client;
 pub mod config;
@@ -12,7 +13,6 @@ pub mod http;
 pub mod infer;
 pub mod kv;
 pub mod metrics;
-pub mod placement;
 pub mod proto;
 #[cfg(feature = "python")]
 mod python;
@@ -20,6 +20,7 @@ pub mod queue;
 pub mod reasoning;
 pub mod request;
 pub mod response;
+pub mod routing;
 pub mod scheduler;
 pub mod shared_state;
 pub mod stop;

@@ -68,8 +68,8 @@ pub struct RouterState {
 }
 
 /// One shard group's live figures, written by its batching loop (and the
-/// placement layer for `pending_tokens` / `placed_total`), read by
-/// placement, `/info` and `/metrics`.
+/// routing layer for `pending_tokens` / `placed_total`), read by
+/// routing, `/info` and `/metrics`.
 #[derive(Debug, Default)]
 pub struct GroupStats {
     /// In rotation: its loop runs and its last step answered.

@@ -151,8 +151,7 @@ mod tests {
             speculate: 0,
         };
         let (queue_tx, _) = tokio::sync::mpsc::unbounded_channel();
-        let placer =
-            Arc::new(crate::placement::Placer::single(queue_tx, crate::kv::KvManager::new(16, 4, true), &state));
+        let placer = Arc::new(crate::routing::Placer::single(queue_tx, crate::kv::KvManager::new(16, 4, true), &state));
         let infer = Infer::new(
             Validation::new(tokenizer.clone(), limits),
             placer,

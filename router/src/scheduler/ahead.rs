@@ -20,8 +20,8 @@
 //! block it frees is only reallocated by a later plan, whose step the shard
 //! runs after this one.
 
-use super::plan::{Planned, StepPlan};
 use super::state::State;
+use super::step_plan::{Planned, StepPlan};
 use crate::proto::pb;
 
 /// The fewest sequences of a step in flight for which the next is planned ahead unless the

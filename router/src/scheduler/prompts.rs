@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
 use super::order::{order_queue, units};
-use super::plan::{Loading, StepPlan};
 use super::sequence::Sequence;
 use super::state::State;
+use super::step_plan::{Loading, StepPlan};
 use super::tenant::hold_back_capped;
 use crate::proto::pb;
 

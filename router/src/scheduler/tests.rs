@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 
 use super::admission::Budget;
 use super::fake_shard::{next_token, FakeShard, EOS};
-use super::plan::schedule;
+use super::schedule;
 use super::state::State;
 use super::update::{is_terminal, update};
 use super::{AdmissionOrder, SchedulerConfig};

@@ -7,11 +7,11 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use super::plan::schedule;
+use super::schedule;
 use super::tests::{assert_no_leak, collect, config, drive, entry, expected, prompt, request, setup, Outcome};
 use super::update::update;
 use crate::kv::KvManager;
-use crate::placement::{Arrival, GroupHandle, Placer, Routing};
+use crate::routing::{Arrival, GroupHandle, Placer, Routing};
 use crate::shared_state::RouterState;
 
 #[test]

@@ -11,9 +11,9 @@
 
 use super::admission::{Budget, Candidate};
 use super::order::units;
-use super::plan::StepPlan;
 use super::prompts::candidate;
 use super::state::State;
+use super::step_plan::StepPlan;
 use crate::error::RouterError;
 use crate::kv::{lifetime_blocks, too_large};
 

@@ -6,9 +6,9 @@
 
 use std::collections::HashMap;
 
-use super::plan::{Planned, StepPlan};
 use super::sequence::Sequence;
 use super::state::State;
+use super::step_plan::{Planned, StepPlan};
 use crate::error::RouterError;
 use crate::proto::pb;
 use crate::queue::{Finish, SeqEvent};

@@ -1,4 +1,6 @@
-//! Which data-parallel shard group a request runs on. The router owns every
+//! Data-parallel routing: which shard group a request runs on (the shard's
+//! own CPU placement, server/pagemill/shard/placement.py, is another matter).
+//! The router owns every
 //! group's radix tree, so the prefix each group holds for a prompt is known
 //! exactly (no approximate shadow index, no KV event feed): `rule.rs` turns
 //! that and each group's load into a choice (a pure function), `placer.rs`

@@ -1,7 +1,7 @@
 //! A shard group that fails and comes back. A step that fails at the
 //! transport (the shard process died, its socket or connection closed)
 //! takes the group out of rotation: its sequences go to the other serving
-//! groups through the placement layer and resume there by recompute, as a
+//! groups through the routing layer and resume there by recompute, as a
 //! preempted sequence does (prompt plus the tokens already streamed; the
 //! stream only ever sees the tokens that follow). With no other group, they
 //! end with the error, as a single group's always did. The loop then polls
@@ -14,13 +14,14 @@ use std::time::Duration;
 
 use tonic::Code;
 
-use super::run::Scheduler;
-use super::state::State;
+use super::run::{BatchingLoop, StepFuture};
+use crate::client::ShardedClient;
 use crate::error::RouterError;
 use crate::kv::KvManager;
-use crate::placement::Arrival;
+use crate::proto::pb;
 use crate::queue::ResponseTx;
-use crate::scheduler::sequence::Sequence;
+use crate::routing::Arrival;
+use crate::scheduler::{Sequence, State};
 use crate::shared_state::RouterState;
 
 /// How often a group out of rotation asks its shards whether they are back.
@@ -43,10 +44,7 @@ pub fn is_group_down(status: &tonic::Status) -> bool {
 /// A step running past WATCH_AFTER gets a Health probe of the group
 /// alongside it, and no answer within HUNG_AFTER fails the step as
 /// DEADLINE_EXCEEDED (the group goes out of rotation).
-async fn watched(
-    mut client: crate::client::ShardedClient,
-    req: crate::proto::pb::StepRequest,
-) -> Result<crate::proto::pb::StepResponse, tonic::Status> {
+async fn watched(mut client: ShardedClient, req: pb::StepRequest) -> Result<pb::StepResponse, tonic::Status> {
     let mut probe = client.clone();
     let step = client.step(req);
     tokio::pin!(step);
@@ -69,12 +67,12 @@ async fn watched(
     }
 }
 
-impl Scheduler {
+impl BatchingLoop {
     /// The step to every shard of the group, watched (see `watched`); the
     /// future owns its clients, so the loop can hold two at once (ahead.rs).
     /// `req` gets the next step number, and `after` (a step number, 0: none) as the step the
     /// shard must run first.
-    pub(super) fn send(&mut self, req: &mut crate::proto::pb::StepRequest, after: u64) -> super::run::StepFuture {
+    pub(super) fn send(&mut self, req: &mut pb::StepRequest, after: u64) -> StepFuture {
         self.step_id += 1;
         req.step_id = self.step_id;
         req.after_step_id = after;

@@ -1,4 +1,4 @@
-//! The placement layer in front of the shard groups: gathers each group's
+//! The routing layer in front of the shard groups: gathers each group's
 //! figures (its exact cached prefix of the prompt, its load), applies the
 //! rule and hands the request to that group's batching loop.
 
@@ -11,7 +11,7 @@ use super::rule::{choose, GroupLoad, Routing};
 use crate::error::RouterError;
 use crate::kv::KvManager;
 use crate::queue::{Entry, ResponseTx};
-use crate::scheduler::sequence::Sequence;
+use crate::scheduler::Sequence;
 use crate::shared_state::{GroupStats, RouterState};
 
 /// What a group's loop receives.
