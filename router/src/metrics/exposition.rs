@@ -11,13 +11,13 @@ use super::kv_tier;
 use crate::shared_state::{GroupStats, RouterState};
 
 /// (name, help, value) of one unlabelled series.
-pub(super) type Series<'a> = (&'a str, &'a str, f64);
+type Series<'a> = (&'a str, &'a str, f64);
 
-pub(super) fn scalar(out: &mut String, name: &str, kind: &str, help: &str, value: f64) {
+fn scalar(out: &mut String, name: &str, kind: &str, help: &str, value: f64) {
     let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
 }
 
-pub(super) fn get(v: &AtomicU64) -> f64 {
+fn get(v: &AtomicU64) -> f64 {
     RouterState::get(v) as f64
 }
 
@@ -31,7 +31,12 @@ pub fn render(st: &RouterState) -> String {
     for (name, help, v) in counters(st) {
         scalar(&mut out, name, "counter", help, v);
     }
-    kv_tier::render(st, &mut out);
+    for (name, help, v) in kv_tier::gauges(st) {
+        scalar(&mut out, name, "gauge", help, v);
+    }
+    for (name, help, v) in kv_tier::counters(st) {
+        scalar(&mut out, name, "counter", help, v);
+    }
     scalar(
         &mut out,
         "pagemill_requeued_total",

@@ -2,24 +2,27 @@
 //! hits and misses, blocks and bytes moved each way, and load time against
 //! the prefill time the loads saved.
 
-use super::exposition::{get, scalar, Series};
+use std::sync::atomic::AtomicU64;
+
 use crate::shared_state::RouterState;
 
-pub fn render(st: &RouterState, out: &mut String) {
-    let bytes = get(&st.kv_tier_block_bytes);
-    let gauges: [Series; 2] = [
-        ("pagemill_kv_tier_blocks", "KV blocks held by the second tier", get(&st.kv_tier_blocks)),
-        ("pagemill_kv_tier_bytes", "Bytes held by the second tier", get(&st.kv_tier_blocks) * bytes),
-    ];
-    for (name, help, v) in gauges {
-        scalar(out, name, "gauge", help, v);
-    }
-    for (name, help, v) in counters(st, bytes) {
-        scalar(out, name, "counter", help, v);
-    }
+/// (name, help, value) of one series.
+type Series = (&'static str, &'static str, f64);
+
+fn get(v: &AtomicU64) -> f64 {
+    RouterState::get(v) as f64
 }
 
-fn counters(st: &RouterState, bytes: f64) -> [Series<'static>; 13] {
+pub fn gauges(st: &RouterState) -> [Series; 2] {
+    let bytes = get(&st.kv_tier_block_bytes);
+    [
+        ("pagemill_kv_tier_blocks", "KV blocks held by the second tier", get(&st.kv_tier_blocks)),
+        ("pagemill_kv_tier_bytes", "Bytes held by the second tier", get(&st.kv_tier_blocks) * bytes),
+    ]
+}
+
+pub fn counters(st: &RouterState) -> [Series; 13] {
+    let bytes = get(&st.kv_tier_block_bytes);
     [
         (
             "pagemill_kv_tier_hit_blocks_total",

@@ -1,5 +1,6 @@
-//! The second KV tier as the router sees it: which block keys the shard's
-//! store (disk files or host memory) holds, least recently used first. A key
+//! The second tier's key index: which block keys the shard's store (disk
+//! files or host memory) holds, least recently used first, and how a block's
+//! key is made. A key
 //! is the chain hash of the whole token prefix up to and including a block,
 //! seeded with the shard's namespace (model weights, dtype, KV dtype, block
 //! size), so one key names exactly one prefix of one model: the tier needs no
@@ -34,38 +35,6 @@ pub fn chain_keys(namespace: &str, tokens: &[u32], block_size: usize, n: usize) 
             hex(&prev[..16])
         })
         .collect()
-}
-
-/// Rates the shard measured: the router loads a hit only when that is
-/// cheaper than computing the same tokens again.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct TierCosts {
-    pub block_bytes: u64,
-    pub load_bytes_per_s: f64,
-    pub prefill_tokens_per_s: f64,
-}
-
-impl TierCosts {
-    /// Seconds to load one block, and to recompute it.
-    pub fn load_s(&self) -> f64 {
-        if self.load_bytes_per_s > 0.0 {
-            self.block_bytes as f64 / self.load_bytes_per_s
-        } else {
-            0.0
-        }
-    }
-
-    pub fn recompute_s(&self, block_size: u32) -> f64 {
-        if self.prefill_tokens_per_s > 0.0 {
-            block_size as f64 / self.prefill_tokens_per_s
-        } else {
-            f64::INFINITY
-        }
-    }
-
-    pub fn load_is_cheaper(&self, block_size: u32) -> bool {
-        self.load_s() < self.recompute_s(block_size)
-    }
 }
 
 /// The keys one tier holds, with LRU order and a capacity in blocks.
@@ -169,13 +138,5 @@ mod tests {
         assert!(t.contains("b") && t.contains("d") && !t.contains("c"));
         assert!(t.remove("b"));
         assert_eq!(t.insert("e".into()), Vec::<Key>::new());
-    }
-
-    #[test]
-    fn load_only_when_cheaper() {
-        let c = TierCosts { block_bytes: 1000, load_bytes_per_s: 1e6, prefill_tokens_per_s: 1000.0 };
-        assert!(c.load_is_cheaper(16)); // 1 ms < 16 ms
-        let slow = TierCosts { load_bytes_per_s: 1e4, ..c }; // 100 ms > 16 ms
-        assert!(!slow.load_is_cheaper(16));
     }
 }

@@ -1,13 +1,46 @@
-//! The KV manager's side of the second tier: which pool blocks to save under
+//! The KV manager's plan of second-tier ops: which pool blocks to save under
 //! which key, which keys to delete, which prompt blocks to load instead of
-//! computing, and the counts behind the tier metrics. The shard executes the
-//! ops (server/pagemill/shard/kv_tier.py); nothing here does I/O.
+//! computing (where the measured costs say loading is cheaper), and the
+//! counts behind the tier metrics. The shard executes the ops
+//! (server/pagemill/shard/kv_tier.py); nothing here does I/O.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::tier::{chain_keys, Key, TierCosts, TierIndex};
+use super::tier_index::{chain_keys, Key, TierIndex};
 use crate::proto::pb;
+
+/// Rates the shard measured: the router loads a hit only when that is
+/// cheaper than computing the same tokens again.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TierCosts {
+    pub block_bytes: u64,
+    pub load_bytes_per_s: f64,
+    pub prefill_tokens_per_s: f64,
+}
+
+impl TierCosts {
+    /// Seconds to load one block, and to recompute it.
+    pub fn load_s(&self) -> f64 {
+        if self.load_bytes_per_s > 0.0 {
+            self.block_bytes as f64 / self.load_bytes_per_s
+        } else {
+            0.0
+        }
+    }
+
+    pub fn recompute_s(&self, block_size: u32) -> f64 {
+        if self.prefill_tokens_per_s > 0.0 {
+            block_size as f64 / self.prefill_tokens_per_s
+        } else {
+            f64::INFINITY
+        }
+    }
+
+    pub fn load_is_cheaper(&self, block_size: u32) -> bool {
+        self.load_s() < self.recompute_s(block_size)
+    }
+}
 
 /// What the shard reported of its tier at warmup.
 #[derive(Debug, Clone)]
@@ -154,5 +187,18 @@ impl SecondTier {
 
     pub fn stats(&self) -> TierStats {
         TierStats { stored: self.index.len() as u64, ..self.stats }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_only_when_cheaper() {
+        let c = TierCosts { block_bytes: 1000, load_bytes_per_s: 1e6, prefill_tokens_per_s: 1000.0 };
+        assert!(c.load_is_cheaper(16)); // 1 ms < 16 ms
+        let slow = TierCosts { load_bytes_per_s: 1e4, ..c }; // 100 ms > 16 ms
+        assert!(!slow.load_is_cheaper(16));
     }
 }
