@@ -35,7 +35,7 @@ pub fn prepare(app: &AppState, req: &ChatCompletionRequest, top_n: Option<u32>) 
             }
             let tokenizer = app.infer.validation().tokenizer();
             let ids = (tokenizer.token_to_id("<tool_call>"), tokenizer.token_to_id("</tool_call>"));
-            parameters.extras.lark = Some(tools::grammar::lark(p.format, forced, p.parallel, ids));
+            parameters.extras.lark = Some(tools::call_grammar::lark(p.format, forced, p.parallel, ids));
         }
     }
     let think = app.reasoning_parser.map(|_| reasoning::opened_by_prompt(&prompt));

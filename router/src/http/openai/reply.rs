@@ -6,8 +6,8 @@
 
 use super::types::{FunctionCallOut, ToolCallOut};
 use crate::reasoning::{self, ReasoningStreamer};
+use crate::tools::call_stream::{Piece, ToolStreamer};
 use crate::tools::parse::parse;
-use crate::tools::stream::{Piece, ToolStreamer};
 use crate::tools::{call_id, ToolCall, ToolPlan};
 
 /// A finished reply.

@@ -4,15 +4,10 @@
 //! llguidance's `%json` rule. The reply then always parses, and its
 //! arguments validate against the function's schema.
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 use super::{Tool, ToolCallParser};
-
-/// JSON written compactly with fixed separators, as the shard's
-/// response_format grammars: flexible whitespace lets small models pad forever.
-pub fn compact() -> Value {
-    json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
-}
+use crate::grammar::compact;
 
 /// The schema of one call object; `args_key` is the format's name for the arguments.
 fn call_schema(tool: &Tool, args_key: &str) -> String {

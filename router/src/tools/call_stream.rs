@@ -6,7 +6,8 @@
 //! reply; a reply cut off inside a call's arguments keeps the call (with
 //! the arguments it got), where `parse` returns it as content.
 
-use super::analyze::{analyze, Item};
+use super::analyze::analyze;
+use super::reading::Item;
 use super::ToolCallParser;
 
 #[derive(Debug, Clone, PartialEq)]
@@ -122,14 +123,6 @@ impl ToolStreamer {
     }
 }
 
-/// Length of the longest suffix of `text` that is a proper prefix of `marker`.
-pub(crate) fn held_prefix(text: &str, marker: &str) -> usize {
-    (1..marker.len().min(text.len() + 1))
-        .rev()
-        .find(|&n| text.is_char_boundary(text.len() - n) && marker.starts_with(&text[text.len() - n..]))
-        .unwrap_or(0)
-}
-
 #[cfg(test)]
-#[path = "stream_tests.rs"]
+#[path = "call_stream_tests.rs"]
 mod tests;
