@@ -194,7 +194,7 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         api_key: config.api_key.as_deref().map(Arc::from),
         tool_format,
         reasoning_parser: config.reasoning_parser,
-        started_unix: http::openai::unix_now(),
+        started_unix: http::response_meta::unix_now(),
     };
     let routes = http::router(app, config.payload_limit);
     let addr = format!("{}:{}", config.hostname, config.port);

@@ -11,21 +11,16 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use super::chat::prepare::{prepare, PreparedChat};
+use super::chat::reply::{self, StreamSplitter};
 use super::extract::JsonBody;
-use super::openai::prepare::{prepare, PreparedChat};
-use super::openai::reply::{self, StreamSplitter};
-use super::openai::stream::{self as chat_stream, ChoiceEvent, ChoiceMsg, Framing};
-use super::openai::ResponseMeta;
+use super::response_meta::ResponseMeta;
+use super::sse::{self, ChoiceEvent, ChoiceMsg, Framing};
 use super::AppState;
 use crate::error::{AnthropicErrorBody, RouterError};
 use crate::http::tenant::Tenant;
 use crate::response::FinishReason;
-use types::{MessagesRequest, MessagesResponse, MessagesUsage, OutputBlock};
-
-/// Anthropic's tool-use ids look like `toolu_...`; the random part is the call id's.
-pub fn tool_use_id(call_id: &str) -> String {
-    format!("toolu_{}", call_id.trim_start_matches("call_"))
-}
+use types::{tool_use_id, MessagesRequest, MessagesResponse, MessagesUsage, OutputBlock};
 
 fn stop_reason(finish: &FinishReason, made_calls: bool) -> &'static str {
     match finish {
@@ -85,7 +80,7 @@ pub async fn messages(
             events.step(step, end)
         };
         let handles = handles.into_iter().map(|h| (0, h)).collect();
-        return Ok(chat_stream::sse(handles, prompt_tokens, Box::new(chunk), None, FRAMING));
+        return Ok(sse::sse(handles, prompt_tokens, Box::new(chunk), None, FRAMING));
     }
 
     let r = app.infer.generate_one(input).await?;

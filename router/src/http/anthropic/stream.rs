@@ -6,7 +6,8 @@
 use axum::response::sse::Event;
 use serde_json::{json, Value};
 
-use crate::http::openai::reply::{CallDelta, StepDelta};
+use super::types::tool_use_id;
+use crate::http::chat::reply::{CallDelta, StepDelta};
 
 fn event(name: &str, data: Value) -> Event {
     Event::default().event(name).data(data.to_string())
@@ -81,8 +82,11 @@ impl MessageEvents {
                     let index = self.next_index;
                     self.next_index += 1;
                     self.open = Some(Block::ToolUse);
-                    out.push(event("content_block_start", json!({"type": "content_block_start", "index": index,
-                        "content_block": {"type": "tool_use", "id": super::tool_use_id(&id), "name": name, "input": {}}})));
+                    out.push(event(
+                        "content_block_start",
+                        json!({"type": "content_block_start", "index": index,
+                        "content_block": {"type": "tool_use", "id": tool_use_id(&id), "name": name, "input": {}}}),
+                    ));
                 }
                 CallDelta::Args { text, .. } if self.open == Some(Block::ToolUse) => {
                     out.push(event(

@@ -5,50 +5,25 @@
 pub mod chat;
 pub mod completions;
 mod logprobs;
-pub mod prepare;
-pub mod reply;
-pub mod stream;
 pub mod types;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use axum::extract::State;
+use axum::response::sse::Event;
 use axum::Json;
 
+use super::sse::{json_event, Framing};
 use super::AppState;
 use crate::error::{OpenAiErrorBody, RouterError};
 use crate::request::{GenerateParameters, SamplingExtras};
 use types::{ModelCard, ModelList, SamplingParams};
 
-/// What every response and chunk of one request repeats.
-#[derive(Debug, Clone)]
-pub struct ResponseMeta {
-    pub id: String,
-    pub created: u64,
-    pub model: String,
-    pub system_fingerprint: String,
+fn error_event(e: &RouterError) -> Event {
+    json_event(&e.openai_body())
 }
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(0);
-
-impl ResponseMeta {
-    pub fn new(app: &AppState, prefix: &str) -> Self {
-        let created = unix_now();
-        // Unique per process and readable; not a secret.
-        let id = format!("{prefix}-{created:x}{:06x}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
-        Self {
-            id,
-            created,
-            model: app.info.model_id.clone(),
-            system_fingerprint: format!("pagemill-{}-{}", app.info.version, app.info.model_dtype),
-        }
-    }
-}
-
-pub fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
+/// OpenAI's streams: errors in its shape, `data: [DONE]` at the end (Chat
+/// and Completions; the Responses API has no `[DONE]`).
+pub const OPENAI: Framing = Framing { error: error_event, done: true };
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())

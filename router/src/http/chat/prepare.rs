@@ -4,9 +4,9 @@
 //! Chat Completions, Responses and Messages all translate their requests
 //! into a `ChatCompletionRequest` and come through here.
 
-use super::chat::render_prompt;
-use super::types::ChatCompletionRequest;
+use super::prompt::render_prompt;
 use crate::error::RouterError;
+use crate::http::openai::types::ChatCompletionRequest;
 use crate::http::AppState;
 use crate::infer::GenerateInput;
 use crate::reasoning;

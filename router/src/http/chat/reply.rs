@@ -4,7 +4,7 @@
 //! Every route that speaks chat (Chat Completions, Responses, Messages)
 //! reads replies through here.
 
-use super::types::{FunctionCallOut, ToolCallOut};
+use crate::http::openai::types::{FunctionCallOut, ToolCallOut};
 use crate::reasoning::{self, ReasoningStreamer};
 use crate::tools::call_stream::{Piece, ToolStreamer};
 use crate::tools::parse::parse;

@@ -1,6 +1,8 @@
 //! TGI routes: `/generate`, `/generate_stream`, the `POST /` compat route
 //! (dispatching on `stream`), and `/tokenize`.
 
+pub mod types;
+
 use std::convert::Infallible;
 
 use axum::extract::State;
@@ -11,15 +13,16 @@ use futures::stream::{self, Stream};
 
 use super::extract::JsonBody;
 use super::headers;
-use super::types::{
+use super::sse::json_event;
+use super::tenant::Tenant;
+use super::AppState;
+use crate::error::{ErrorBody, RouterError};
+use crate::infer::{GenerateInput, InferResponse, StreamHandle};
+use crate::stream::InferStreamResponse;
+use types::{
     BestOfSequence, CompatGenerateRequest, Details, GenerateRequest, GenerateResponse, SimpleToken, StreamDetails,
     StreamResponse,
 };
-use super::AppState;
-use crate::error::{ErrorBody, RouterError};
-use crate::http::tenant::Tenant;
-use crate::infer::{GenerateInput, InferResponse, StreamHandle};
-use crate::stream::InferStreamResponse;
 
 /// Generate text for a prompt (whole response at once).
 #[utoipa::path(post, path = "/generate", tag = "TGI", request_body = GenerateRequest,
@@ -241,8 +244,4 @@ fn sse_events(
             return Some((Ok(event), st));
         }
     })
-}
-
-pub fn json_event<T: serde::Serialize>(v: &T) -> Event {
-    Event::default().data(serde_json::to_string(v).unwrap_or_default())
 }

@@ -1,8 +1,9 @@
-//! OpenAI streaming: the `n` (x prompts) sequences of a request merged into
-//! one SSE stream of chunks tagged by choice index, then an optional usage
-//! chunk, then `data: [DONE]`. A failure ends the stream with an error event
-//! in OpenAI's shape `{"error": {message, type, param, code}}` (the `openai`
-//! client raises `APIError` on it).
+//! Server-sent events of the choice-shaped APIs (OpenAI Chat and
+//! Completions, Responses, Messages): the `n` (x prompts) sequences of a
+//! request merged into one stream of events tagged by choice index, then an
+//! optional usage event, then (OpenAI) `data: [DONE]`. A failure ends the
+//! stream with an error event in the API's shape (`Framing`), never a silent
+//! close.
 
 use std::convert::Infallible;
 
@@ -10,9 +11,7 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures::stream::{self, BoxStream, SelectAll, StreamExt};
 
-use super::types::Usage;
 use crate::error::RouterError;
-use crate::http::tgi::json_event;
 use crate::infer::StreamHandle;
 use crate::response::Token;
 use crate::stream::{GeneratedText, InferStreamResponse};
@@ -31,8 +30,8 @@ pub struct ChoiceMsg {
 /// Builds the events of a step (none, one, or several: a finished tool call
 /// may go out with the step's text).
 pub type ChunkFn = Box<dyn FnMut(&ChoiceMsg) -> Vec<Event> + Send>;
-/// Builds the final usage event.
-pub type UsageFn = Box<dyn FnOnce(Usage) -> Event + Send>;
+/// Builds the final usage event from the prompt and completion tokens.
+pub type UsageFn = Box<dyn FnOnce(u32, u32) -> Event + Send>;
 
 /// What differs between the APIs' streams besides their events: the error
 /// event, and whether `data: [DONE]` ends the stream (OpenAI's Chat and Completions).
@@ -42,15 +41,9 @@ pub struct Framing {
     pub done: bool,
 }
 
-fn openai_error(e: &RouterError) -> Event {
-    json_event(&e.openai_body())
-}
-
-pub const OPENAI: Framing = Framing { error: openai_error, done: true };
-
-/// One JSON chunk as an SSE event.
-pub fn chunk_event(v: &impl serde::Serialize) -> Event {
-    json_event(v)
+/// One JSON value as an SSE `data:` event.
+pub fn json_event<T: serde::Serialize>(v: &T) -> Event {
+    Event::default().data(serde_json::to_string(v).unwrap_or_default())
 }
 
 fn choice_stream(index: u32, handle: StreamHandle) -> BoxStream<'static, Result<ChoiceMsg, RouterError>> {
@@ -141,7 +134,7 @@ pub fn sse(
                 Phase::Usage => {
                     st.phase = if st.framing.done { Phase::Done } else { Phase::Over };
                     if let Some(f) = st.usage.take() {
-                        return Some((f(Usage::new(st.prompt_tokens, st.completion_tokens)), st));
+                        return Some((f(st.prompt_tokens, st.completion_tokens), st));
                     }
                 }
                 Phase::Done => {
