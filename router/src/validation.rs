@@ -53,6 +53,28 @@ fn check_float(name: &str, v: Option<f32>, ok: impl Fn(f32) -> bool, rule: &str)
     }
 }
 
+/// The request's grammar for the shard: TGI's `grammar` / `response_format`,
+/// or the Lark grammar the router built for forced tool calls, not both.
+fn check_grammar(p: &GenerateParameters) -> Result<Option<pb::Grammar>, RouterError> {
+    match (&p.grammar, &p.extras.lark) {
+        (Some(_), Some(_)) => Err(invalid("`response_format` cannot be combined with a forced `tool_choice`")),
+        (_, Some(lark)) => Ok(Some(pb::Grammar { r#type: pb::GrammarType::Lark as i32, value: lark.clone() })),
+        (g, None) => g.as_ref().map(crate::grammar::validate).transpose(),
+    }
+}
+
+/// `min_tokens`: at most `max_new_tokens`.
+fn check_min_new_tokens(p: &GenerateParameters, max_new_tokens: u32) -> Result<u32, RouterError> {
+    match p.extras.min_new_tokens {
+        None => Ok(0),
+        Some(m) if m < 0 => Err(invalid(format!("`min_tokens` must be >= 0, got {m}"))),
+        Some(m) if m > max_new_tokens as i64 => {
+            Err(invalid(format!("`min_tokens` ({m}) must be <= `max_tokens` ({max_new_tokens})")))
+        }
+        Some(m) => Ok(m as u32),
+    }
+}
+
 impl Validation {
     pub fn new(tokenizer: Arc<Tokenizer>, limits: Limits) -> Self {
         Self { tokenizer, limits }
@@ -93,94 +115,12 @@ impl Validation {
         let mut params = self.check_parameters(&p)?;
         params.logit_bias = self.check_logit_bias(&p.extras.logit_bias)?;
         let stop_token_ids = self.check_token_ids("stop_token_ids", &p.extras.stop_token_ids)?;
-        let grammar = match (&p.grammar, &p.extras.lark) {
-            (Some(_), Some(_)) => {
-                return Err(invalid("`response_format` cannot be combined with a forced `tool_choice`"))
-            }
-            (_, Some(lark)) => Some(pb::Grammar { r#type: pb::GrammarType::Lark as i32, value: lark.clone() }),
-            (g, None) => g.as_ref().map(crate::grammar::validate).transpose()?,
-        };
-        let mut input_ids = match ids {
-            Some(ids) => {
-                if ids.is_empty() {
-                    return Err(invalid("`prompt` must not be an empty list of token ids"));
-                }
-                if let Some(&bad) = ids.iter().find(|&&t| t >= self.limits.vocab_size) {
-                    return Err(invalid(format!(
-                        "`prompt` token id {bad} is out of the vocabulary (size {})",
-                        self.limits.vocab_size
-                    )));
-                }
-                ids
-            }
-            None => {
-                if inputs.is_empty() {
-                    return Err(invalid("`inputs` must not be empty"));
-                }
-                self.tokenize(inputs.clone(), add_special_tokens).await?
-            }
-        };
-        if input_ids.is_empty() {
-            return Err(invalid("`inputs` tokenized to zero tokens"));
-        }
-        if let Some(t) = p.truncate {
-            if t <= 0 {
-                return Err(invalid(format!("`truncate` must be strictly positive, got {t}")));
-            }
-            let t = t as usize;
-            if input_ids.len() > t {
-                // Keep the end of the prompt, as TGI does: it is what the model continues.
-                input_ids.drain(..input_ids.len() - t);
-            }
-        }
-        let input_len = input_ids.len() as u32;
-        let limits = &self.limits;
-        if input_len > limits.max_input_tokens {
-            return Err(invalid(format!(
-                "`inputs` must have less than {} tokens. Given: {input_len}",
-                limits.max_input_tokens + 1
-            )));
-        }
-        let max_new_tokens = match p.max_new_tokens {
-            Some(n) if n <= 0 => return Err(invalid(format!("`max_new_tokens` must be strictly positive, got {n}"))),
-            Some(n) if n > u32::MAX as i64 => return Err(invalid(format!("`max_new_tokens` is too large: {n}"))),
-            Some(n) => n as u32,
-            None => limits.default_max_new_tokens.min(limits.max_total_tokens - input_len),
-        };
-        if input_len as u64 + max_new_tokens as u64 > limits.max_total_tokens as u64 {
-            return Err(invalid(format!(
-                "`inputs` tokens + `max_new_tokens` must be <= {}. Given: {input_len} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
-                limits.max_total_tokens
-            )));
-        }
-        let top_n_tokens = match p.top_n_tokens {
-            Some(n) if n < 0 || n > limits.max_top_n_tokens as i64 => {
-                return Err(invalid(format!(
-                    "`top_n_tokens` must be >= 0 and <= {}. Given: {n}",
-                    limits.max_top_n_tokens
-                )))
-            }
-            Some(n) => n as u32,
-            None => 0,
-        };
-        if p.stop.len() > limits.max_stop_sequences as usize {
-            return Err(invalid(format!(
-                "`stop` supports up to {} stop sequences. Given: {}",
-                limits.max_stop_sequences,
-                p.stop.len()
-            )));
-        }
-        if p.stop.iter().any(|s| s.is_empty()) {
-            return Err(invalid("`stop` sequences must not be empty"));
-        }
-        let min_new_tokens = match p.extras.min_new_tokens {
-            None => 0,
-            Some(m) if m < 0 => return Err(invalid(format!("`min_tokens` must be >= 0, got {m}"))),
-            Some(m) if m > max_new_tokens as i64 => {
-                return Err(invalid(format!("`min_tokens` ({m}) must be <= `max_tokens` ({max_new_tokens})")))
-            }
-            Some(m) => m as u32,
-        };
+        let grammar = check_grammar(&p)?;
+        let input_ids = self.prompt_ids(&inputs, ids, add_special_tokens, p.truncate).await?;
+        let max_new_tokens = self.max_new_tokens(&p, input_ids.len() as u32)?;
+        let top_n_tokens = self.top_n_tokens(&p)?;
+        self.check_stop_sequences(&p.stop)?;
+        let min_new_tokens = check_min_new_tokens(&p, max_new_tokens)?;
         // A finished grammar allows only EOS; holding EOS back would leave no token at all.
         if grammar.is_some() && (min_new_tokens > 0 || !stop_token_ids.is_empty()) {
             return Err(invalid("`min_tokens` and `stop_token_ids` cannot be combined with `response_format`"));
@@ -206,6 +146,100 @@ impl Validation {
             priority,
             tenant: p.user.filter(|u| !u.is_empty()),
         })
+    }
+
+    /// The prompt's token ids (given, or tokenized from `inputs`), kept to
+    /// its last `truncate` tokens, within `max_input_tokens`.
+    async fn prompt_ids(
+        &self,
+        inputs: &str,
+        ids: Option<Vec<u32>>,
+        add_special_tokens: bool,
+        truncate: Option<i64>,
+    ) -> Result<Vec<u32>, RouterError> {
+        let mut input_ids = match ids {
+            Some(ids) => {
+                if ids.is_empty() {
+                    return Err(invalid("`prompt` must not be an empty list of token ids"));
+                }
+                if let Some(&bad) = ids.iter().find(|&&t| t >= self.limits.vocab_size) {
+                    return Err(invalid(format!(
+                        "`prompt` token id {bad} is out of the vocabulary (size {})",
+                        self.limits.vocab_size
+                    )));
+                }
+                ids
+            }
+            None => {
+                if inputs.is_empty() {
+                    return Err(invalid("`inputs` must not be empty"));
+                }
+                self.tokenize(inputs.to_string(), add_special_tokens).await?
+            }
+        };
+        if input_ids.is_empty() {
+            return Err(invalid("`inputs` tokenized to zero tokens"));
+        }
+        if let Some(t) = truncate {
+            if t <= 0 {
+                return Err(invalid(format!("`truncate` must be strictly positive, got {t}")));
+            }
+            let t = t as usize;
+            if input_ids.len() > t {
+                // Keep the end of the prompt, as TGI does: it is what the model continues.
+                input_ids.drain(..input_ids.len() - t);
+            }
+        }
+        let input_len = input_ids.len() as u32;
+        if input_len > self.limits.max_input_tokens {
+            return Err(invalid(format!(
+                "`inputs` must have less than {} tokens. Given: {input_len}",
+                self.limits.max_input_tokens + 1
+            )));
+        }
+        Ok(input_ids)
+    }
+
+    /// `max_new_tokens` (the default where unset), prompt plus it within `max_total_tokens`.
+    fn max_new_tokens(&self, p: &GenerateParameters, input_len: u32) -> Result<u32, RouterError> {
+        let limits = &self.limits;
+        let max_new_tokens = match p.max_new_tokens {
+            Some(n) if n <= 0 => return Err(invalid(format!("`max_new_tokens` must be strictly positive, got {n}"))),
+            Some(n) if n > u32::MAX as i64 => return Err(invalid(format!("`max_new_tokens` is too large: {n}"))),
+            Some(n) => n as u32,
+            None => limits.default_max_new_tokens.min(limits.max_total_tokens - input_len),
+        };
+        if input_len as u64 + max_new_tokens as u64 > limits.max_total_tokens as u64 {
+            return Err(invalid(format!(
+                "`inputs` tokens + `max_new_tokens` must be <= {}. Given: {input_len} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
+                limits.max_total_tokens
+            )));
+        }
+        Ok(max_new_tokens)
+    }
+
+    fn top_n_tokens(&self, p: &GenerateParameters) -> Result<u32, RouterError> {
+        match p.top_n_tokens {
+            Some(n) if n < 0 || n > self.limits.max_top_n_tokens as i64 => {
+                Err(invalid(format!("`top_n_tokens` must be >= 0 and <= {}. Given: {n}", self.limits.max_top_n_tokens)))
+            }
+            Some(n) => Ok(n as u32),
+            None => Ok(0),
+        }
+    }
+
+    fn check_stop_sequences(&self, stop: &[String]) -> Result<(), RouterError> {
+        if stop.len() > self.limits.max_stop_sequences as usize {
+            return Err(invalid(format!(
+                "`stop` supports up to {} stop sequences. Given: {}",
+                self.limits.max_stop_sequences,
+                stop.len()
+            )));
+        }
+        if stop.iter().any(|s| s.is_empty()) {
+            return Err(invalid("`stop` sequences must not be empty"));
+        }
+        Ok(())
     }
 
     fn check_token_ids(&self, name: &str, ids: &[i64]) -> Result<Vec<u32>, RouterError> {

@@ -384,6 +384,37 @@ fn wrong_token_counts_and_duplicates_fail_the_requests_they_touch() {
     }
 }
 
+/// The shard decides the length finish; a reply past what the router sent
+/// (more tokens than are left, or none finishing at the limit) is malformed.
+#[test]
+fn a_reply_past_max_new_tokens_or_not_finishing_at_it_is_malformed() {
+    type Corrupt = fn(&mut pb::Generation);
+    let overrun: Corrupt = |g| {
+        g.tokens.as_mut().unwrap().ids.push(7);
+        g.tokens.as_mut().unwrap().logprobs.push(-0.5);
+        g.finish_reason = pb::FinishReason::Unspecified as i32;
+    };
+    let no_finish: Corrupt = |g| g.finish_reason = pb::FinishReason::Unspecified as i32;
+    for corrupt in [overrun, no_finish] {
+        // Room for proposals, so that an extra token is within the step's count.
+        let (mut st, mut shard) = setup(config(Some(64), None, 3), 50);
+        st.enqueue(entry(0, request(prompt(0, 5), 2), None));
+        let plan = schedule(&mut st, Instant::now());
+        let (events, _) = update(&mut st, &plan, &shard.step(&plan.request));
+        assert!(matches!(&events[..], [(0, Ok(SeqEvent::Tokens { finish: None, .. }))]));
+        // The last token: the shard finishes it with `length`.
+        let plan = schedule(&mut st, Instant::now());
+        let mut resp = shard.step(&plan.request);
+        assert_eq!(resp.generations[0].finish_reason, pb::FinishReason::Length as i32);
+        corrupt(&mut resp.generations[0]);
+        let (events, _) = update(&mut st, &plan, &resp);
+        assert!(matches!(&events[..], [(0, Err(RouterError::Generation(_)))]), "{events:?}");
+        assert!(st.is_idle());
+        assert_eq!(st.finished, vec![0], "the shard is told to forget it");
+        assert_no_leak(&st);
+    }
+}
+
 #[test]
 fn unknown_ids_in_a_reply_are_ignored() {
     let (mut st, mut shard, out) = corrupted_step(|r| {
