@@ -18,7 +18,7 @@ mod schedule;
 pub mod sequence;
 pub mod state;
 pub mod step_plan;
-mod tenant;
+mod tenant_cap;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]

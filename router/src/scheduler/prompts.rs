@@ -12,7 +12,7 @@ use super::order::{order_queue, units};
 use super::sequence::Sequence;
 use super::state::State;
 use super::step_plan::{Loading, StepPlan};
-use super::tenant::hold_back_capped;
+use super::tenant_cap::hold_back_capped;
 use crate::kv::KvBlocks;
 use crate::proto::pb;
 

@@ -3,7 +3,7 @@
 //! calls by the chat path, and answered in Anthropic's shapes.
 
 mod convert;
-mod stream;
+mod events;
 pub mod types;
 
 use axum::extract::State;
@@ -67,7 +67,7 @@ pub async fn messages(
         let start = json!({"id": meta.id, "type": "message", "role": "assistant", "model": req.model,
             "content": [], "stop_reason": null, "stop_sequence": null,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}});
-        let mut events = stream::MessageEvents::new(start);
+        let mut events = events::MessageEvents::new(start);
         let mut splitter = StreamSplitter::new(plan.as_ref(), think);
         let chunk = move |msg: &ChoiceMsg| {
             let (token, generated) = match &msg.event {
