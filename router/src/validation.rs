@@ -423,6 +423,30 @@ mod tests {
         assert!(check(None, p).await.is_err());
     }
 
+    /// The one place sampling is decided: the shard draws exactly when `do_sample` is set.
+    #[tokio::test]
+    async fn any_sampling_knob_implies_sampling() {
+        let sampled = |p: GenerateParameters| async move { check(None, p).await.unwrap().parameters.do_sample };
+        let base = || with(Default::default());
+        assert!(!sampled(base()).await);
+        for off in [
+            GenerateParameters { temperature: Some(1.0), top_p: Some(1.0), typical_p: Some(1.0), ..base() },
+            GenerateParameters { min_p: Some(0.0), repetition_penalty: Some(1.3), ..base() },
+        ] {
+            assert!(!sampled(off).await);
+        }
+        for on in [
+            GenerateParameters { do_sample: true, ..base() },
+            GenerateParameters { temperature: Some(0.7), ..base() },
+            GenerateParameters { top_k: Some(5), ..base() },
+            GenerateParameters { top_p: Some(0.9), ..base() },
+            GenerateParameters { typical_p: Some(0.9), ..base() },
+            GenerateParameters { min_p: Some(0.1), ..base() },
+        ] {
+            assert!(sampled(on).await);
+        }
+    }
+
     #[tokio::test]
     async fn a_request_longer_than_the_pool_is_refused_with_the_numbers() {
         let v = validation();

@@ -1,6 +1,6 @@
 //! Anthropic Messages API, `POST /v1/messages`: translated into a chat
 //! request (`convert`), generated and split into reasoning, text and tool
-//! calls by the chat path, and answered in Anthropic's shapes.
+//! calls by the chat pipeline (http/chat/), and answered in Anthropic's shapes.
 
 mod convert;
 mod events;

@@ -1,5 +1,5 @@
 //! OpenAI Responses API, `POST /v1/responses`, stateless: translated into a
-//! chat request (`convert`), generated and split by the chat path, and
+//! chat request (`convert`), generated and split by the chat pipeline (http/chat/), and
 //! answered as a response object with output items, or as its typed
 //! streaming events. Errors have OpenAI's shape (the `openai_errors` layer).
 
