@@ -5,14 +5,16 @@
 //! max_new_tokens) ends the sequences it touches with a `generation` error;
 //! it never panics the router.
 //!
-//! Where a sequence finishes is decided once per kind. Length, EOS and
-//! `stop_token_ids` are decided by the shard as it samples, from the
-//! stopping criteria the router sends with each (re)admitted sequence
-//! (`Sequence::new_request`: what is left of max_new_tokens, ignore_eos,
-//! min_new_tokens, stop_token_ids); the shard truncates a speculative run at
-//! the finish and drops the request. Here its finish reason is only carried
-//! to the stream. Stop strings are text, matched by the request's stream
-//! (stream.rs), which ends it like a client that went away.
+//! Where a sequence finishes is decided once per kind. The router owns the
+//! length accounting: it sends the stopping criteria with each (re)admitted
+//! sequence (`Sequence::new_request`: what is left of max_new_tokens,
+//! ignore_eos, min_new_tokens, stop_token_ids) and checks every reply
+//! against them. The shard, which samples (and sees each token of a
+//! speculative run), applies them: length, EOS and stop-token finishes are
+//! decided there alone (server/pagemill/shard/generations.py), the run cut
+//! at the finish and the request dropped; here the finish reason is only
+//! carried to the stream. Stop strings are text, matched by the request's
+//! stream (stream.rs), which ends it like a client that went away.
 
 use std::collections::HashMap;
 
