@@ -75,5 +75,5 @@ def test_each_module_has_one_line():
 def test_the_checks_see_what_they_should():
     assert path_like("router/src/kv/radix.rs") and path_like("server/pagemill/shard/") and path_like("tests/test_*.py")
     assert not path_like("/v1/completions") and not path_like("--max-num-batched-tokens") and not path_like("n")
-    assert "router/src/scheduler/plan.rs" in modules() and "server/pagemill/shard/model_runner.py" in modules()
+    assert "router/src/scheduler/step_plan.rs" in modules() and "server/pagemill/shard/model_runner.py" in modules()
     assert "router/src/scheduler/tests.rs" not in modules() and "server/pagemill/__init__.py" not in modules()

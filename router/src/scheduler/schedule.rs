@@ -58,8 +58,9 @@ pub fn schedule(st: &mut State, now: Instant) -> StepPlan {
 }
 
 /// Every decoding sequence gets its next token (plus room for speculative
-/// proposals), oldest first; when the pool runs out the newest sequence is
-/// preempted. Returns the step tokens used.
+/// proposals), best priority first, then oldest; when the pool runs out a
+/// victim is preempted (`preempt::victim`: worst priority, then least work
+/// lost, then newest). Returns the step tokens used.
 fn schedule_decodes(st: &mut State, plan: &mut StepPlan) -> u32 {
     let spec = st.config.speculate;
     // Better priorities grow first; the rest, and the victims, come after.
