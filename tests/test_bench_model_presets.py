@@ -54,11 +54,14 @@ def test_gguf_presets_serve_their_files_under_the_peers_dir(preset, gguf, hf, q,
     assert llama[llama.index("-c") + 1] == "32768" and "--kv-unified" in llama
 
 
-def test_gguf_presets_offer_bf16_servers_of_the_same_weights():
+def test_gguf_presets_offer_dense_servers_of_the_same_weights():
     model = mp.get_preset("llama-1b-q8").resolve("/pp")
-    known = _by_name(select("pagemill-bf16,llamacpp-bf16", set(), model=model))
-    pm = known["pagemill-bf16"].argv(VALUES)
-    assert pm[pm.index("--model") + 1] == "/pp/models/llama-1b-hf" and "bfloat16" in pm
+    known = _by_name(select("pagemill-bf16,pagemill-fp32,vllm-fp32,llamacpp-bf16", set(), model=model))
+    for name, dtype in (("pagemill-bf16", "bfloat16"), ("pagemill-fp32", "float32")):
+        pm = known[name].argv(VALUES)
+        assert pm[pm.index("--model") + 1] == "/pp/models/llama-1b-hf" and pm[pm.index("--dtype") + 1] == dtype
+    vllm = known["vllm-fp32"].argv(VALUES)
+    assert vllm[2] == "/pp/models/llama-1b-hf" and vllm[vllm.index("--dtype") + 1] == "float32"
     assert "/pp/models/llama-1b-bf16.gguf" in known["llamacpp-bf16"].argv(VALUES)
 
 

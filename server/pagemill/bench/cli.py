@@ -103,7 +103,7 @@ def _add_compare_parser(bsub) -> None:
                    help=f"comma-separated presets (default: the model preset's; smollm2: {DEFAULT_SERVERS}): "
                         "pagemill-fp32, pagemill-bf16, vllm-bf16, vllm-fp32, llamacpp-bf16, llamacpp-fp32, "
                         "llamacpp-q4_1; a GGUF model preset: pagemill-<q>, vllm-bf16, llamacpp-<q>, pagemill-bf16, "
-                        "llamacpp-bf16 (<q>: q4_k_m or q8_0)")  # fmt: skip
+                        "pagemill-fp32, vllm-fp32, llamacpp-bf16 (<q>: q4_k_m or q8_0)")  # fmt: skip
     c.add_argument("--pagemill", action="append", default=[], metavar="NAME:PRECISION:ARGS",
                    help="another pagemill configuration, e.g. 'pagemill-int8:int8:--quantize int8' (repeatable)")
     c.add_argument("--server", action="append", default=[], metavar="NAME:PRECISION:COMMAND",

@@ -16,8 +16,9 @@ and `--server NAME:PRECISION:COMMAND` any other OpenAI-compatible server.
 Under a GGUF model preset (bench/model_presets.py) the configurations serve
 that preset's files instead, named by its precision: pagemill-<q> (`--model
 <gguf>`), llamacpp-<q> (the same file), vllm-bf16 (the bf16 HF directory of
-the same weights), plus pagemill-bf16 (that HF directory) and llamacpp-bf16
-(its bf16 GGUF) when asked for; `--pagemill` specs load the preset's GGUF.
+the same weights), plus pagemill-bf16, pagemill-fp32 and vllm-fp32 (that HF
+directory) and llamacpp-bf16 (its bf16 GGUF) when asked for; `--pagemill`
+specs load the preset's GGUF.
 """
 
 from __future__ import annotations
@@ -126,6 +127,10 @@ def model_presets_servers(model: ResolvedModel) -> dict[str, ServerConfig]:
         vllm("bfloat16", literal(model.hf_dir), p.served_name, p.vllm_kv_cache_gib, p.max_model_len),
         llamacpp(q, literal(model.gguf), context=p.llamacpp_context),
         pagemill("pagemill-bf16", "bf16", f"--dtype bfloat16 {kv}", literal(model.hf_dir), p.served_name),
+        # bf16 matmuls crawl on a CPU without AVX512-BF16 or AMX (torch's fallback, in vLLM too):
+        # float32 is the dense reference there.
+        pagemill("pagemill-fp32", "fp32", f"--dtype float32 {kv}", literal(model.hf_dir), p.served_name),
+        vllm("float32", literal(model.hf_dir), p.served_name, p.vllm_kv_cache_gib, p.max_model_len),
     ]
     if model.bf16_gguf:
         out.append(llamacpp("bf16", literal(model.bf16_gguf), context=p.llamacpp_context))
