@@ -13,6 +13,8 @@ and for the 32-element types also gguf-py's quantize of random floats.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -280,3 +282,18 @@ def test_bad_inputs_raise_value_errors():
         kernel.embedding(torch.tensor([0.0]), w)
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         kernel.embedding(torch.tensor([0]), w, torch.float16)
+
+
+@pytest.mark.skipif(not os.environ.get("PAGEMILL_TEST_VNNI_EMULATION"), reason="set PAGEMILL_TEST_VNNI_EMULATION=1 (one more build)")
+@pytest.mark.parametrize("qtype", QUANTIZED, ids=lambda t: NAMES[t])
+def test_vnni_code_gives_the_same_bits(qtype):
+    """The VNNI build's code (vpdpbusd emulated in AVX2 on machines without it) against this build."""
+    lib = build_library(("-DPAGEMILL_QUANT_EMULATE_VNNI",))
+    vnni = QuantKernel(lib)
+    assert vnni.simd == 2
+    n, k = 29, 512
+    raw = random_blocks(qtype, n, k, seed=8)
+    w, wv = prepare(raw, qtype, k), prepare(raw, qtype, k, vnni)
+    for m in (1, 4, 13):
+        x = rows_x(m, k, seed=10)
+        assert torch.equal(kernel.linear(x, w), vnni.linear(x, wv)), f"{NAMES[qtype]} at {m} rows"

@@ -15,6 +15,8 @@
 //
 // PAGEMILL_QUANT_SIMD is set where AVX2, FMA and F16C are all compiled in and the portable
 // path is not forced (-DPAGEMILL_QUANT_PORTABLE, for tests); else tile_scalar.h runs.
+// -DPAGEMILL_QUANT_EMULATE_VNNI builds the VNNI code with vpdpbusd emulated exactly in AVX2,
+// so that an AVX2 machine can test it.
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -24,7 +26,7 @@
 #if !defined(PAGEMILL_QUANT_PORTABLE) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define PAGEMILL_QUANT_SIMD 1
 #include <immintrin.h>
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__) || defined(PAGEMILL_QUANT_EMULATE_VNNI)
 #define PAGEMILL_QUANT_VNNI 1
 #endif
 #endif
@@ -70,7 +72,14 @@ inline __m256i pairs_i8(const uint8_t* a, const uint8_t* b) {
 
 #if defined(PAGEMILL_QUANT_VNNI)
 inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#if defined(PAGEMILL_QUANT_EMULATE_VNNI)
+  // vpdpbusd exactly, from AVX2 (tests only: runs the VNNI build's code on an AVX2 machine):
+  // the even and the odd bytes widened to int16, each vpmaddwd adding two exact products.
+  const __m256i lo8 = _mm256_set1_epi16(0xff);
+  const __m256i even = _mm256_madd_epi16(_mm256_and_si256(u, lo8), _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8));
+  const __m256i odd = _mm256_madd_epi16(_mm256_srli_epi16(u, 8), _mm256_srai_epi16(s, 8));
+  return _mm256_add_epi32(acc, _mm256_add_epi32(even, odd));
+#elif defined(__AVX512VNNI__) && defined(__AVX512VL__)
   return _mm256_dpbusd_epi32(acc, u, s);
 #else
   return _mm256_dpbusd_avx_epi32(acc, u, s);

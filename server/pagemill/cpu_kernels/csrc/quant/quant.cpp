@@ -20,6 +20,7 @@ using namespace pagemill::quant;
 using Bytes = pagemill::line_vector<uint8_t>;
 
 constexpr int64_t kFloatColumnsL2 = 256 << 10;  // weight bytes a float-path column chunk keeps
+constexpr int64_t kTeamQuantizes = 1 << 18;  // activations (M K) from which the team quantizes them
 
 // The calling thread's scratch of at least n bytes (kept between calls: no allocation per call).
 uint8_t* scratch(Bytes& v, size_t n) {
@@ -70,13 +71,24 @@ void linear_quant(int type, const uint8_t* w, int64_t N, int64_t K, const void* 
   const Acts a = acts_in(base, M, K, blk);
   Weight wt{type, w, N, K};
   pack_tail(wt, base + acts);
+  // Quantizing is O(M K) against the product's O(M N K): the team shares it only where it is
+  // long enough to pay for the barrier after it (a barrier is where a descheduled thread of a
+  // busy machine costs the whole call).
+  const bool team_quantizes = M * K >= kTeamQuantizes;
+  if (!team_quantizes) {
+    thread_local std::vector<float> tmp;
+    if (bf16 && tmp.size() < (size_t)K) tmp.resize((size_t)K);
+    for (int64_t m = 0; m < M; ++m) quantize_row(x, bf16, m, a, tmp.data());
+  }
   pagemill::balance::TeamBalance* balance = pagemill::balance::begin_team(threads);
 #pragma omp parallel num_threads(threads)
   {
-    thread_local std::vector<float> tmp;
-    if (bf16 && tmp.size() < (size_t)K) tmp.resize((size_t)K);
+    if (team_quantizes) {
+      thread_local std::vector<float> tmp;
+      if (bf16 && tmp.size() < (size_t)K) tmp.resize((size_t)K);
 #pragma omp for schedule(static)
-    for (int64_t m = 0; m < M; ++m) quantize_row(x, bf16, m, a, tmp.data());
+      for (int64_t m = 0; m < M; ++m) quantize_row(x, bf16, m, a, tmp.data());
+    }
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const pagemill::balance::Busy busy(balance, t, nt);
     const int64_t groups = (N + kGroup - 1) / kGroup;
