@@ -210,6 +210,25 @@ def test_portable_build_and_threads_give_the_same_bits(portable, qtype):
             torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("qtype", [2, 14, 0], ids=lambda t: NAMES[t])
+def test_many_rows_on_two_threads(qtype):
+    """600 rows: the team quantizes the activations, the rows come in several L2-sized chunks,
+    and (float types) the columns in several chunks."""
+    n, k, m = 150, 1024, 600
+    raw = random_blocks(qtype, n, k, seed=11)
+    w = prepare(raw, qtype, k)
+    x = rows_x(m, k, seed=12)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        y, yb = kernel.linear(x, w), kernel.linear(x.bfloat16(), w)
+    finally:
+        torch.set_num_threads(threads)
+    ggml, tol, _ = reference(x.numpy(), raw, qtype)
+    assert np.all(np.abs(y.double().numpy() - ggml) <= tol)
+    assert torch.equal(yb, kernel.linear(x.bfloat16().float(), w).bfloat16())
+
+
 @pytest.mark.parametrize("qtype", QUANTIZED + FLOATS, ids=lambda t: NAMES[t])
 def test_embedding_rows_equal_dequantize_rows(qtype):
     n, k = 43, 640 if qtype in LEGACY else 512

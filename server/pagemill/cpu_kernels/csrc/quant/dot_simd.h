@@ -89,10 +89,9 @@ inline __m256i dpbusd(__m256i acc, __m256i u, __m256i s) {
 // One output row's int32 sums for 8 columns: products into `part`, flushed into `total`.
 struct Sum {
   __m256i part = _mm256_setzero_si256(), total = _mm256_setzero_si256();
-  void add(__m256i w, const int8_t* x) { part = dpbusd(part, w, bcast4(x)); }
-  void add_signed(__m256i w_abs, __m256i w, const int8_t* x) {
-    part = dpbusd(part, w_abs, _mm256_sign_epi8(bcast4(x), w));
-  }
+  // xb: 4 activation bytes in every lane (bcast4), shared by the groups of a tile
+  void add(__m256i w, __m256i xb) { part = dpbusd(part, w, xb); }
+  void add_signed(__m256i w_abs, __m256i w, __m256i xb) { part = dpbusd(part, w_abs, _mm256_sign_epi8(xb, w)); }
   void flush() {
     total = _mm256_add_epi32(total, part);
     part = _mm256_setzero_si256();
@@ -117,9 +116,10 @@ inline __m256i keep(__m256i v) {
 
 struct Sum {
   __m256i part = _mm256_setzero_si256(), total = _mm256_setzero_si256();  // part: int16 pairs
-  void add(__m256i w, const int8_t* x) { part = keep(_mm256_add_epi16(part, _mm256_maddubs_epi16(w, bcast4(x)))); }
-  void add_signed(__m256i w_abs, __m256i w, const int8_t* x) {
-    part = keep(_mm256_add_epi16(part, _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(bcast4(x), w))));
+  // xb: 4 activation bytes in every lane (bcast4), shared by the groups of a tile
+  void add(__m256i w, __m256i xb) { part = keep(_mm256_add_epi16(part, _mm256_maddubs_epi16(w, xb))); }
+  void add_signed(__m256i w_abs, __m256i w, __m256i xb) {
+    part = keep(_mm256_add_epi16(part, _mm256_maddubs_epi16(w_abs, _mm256_sign_epi8(xb, w))));
   }
   void flush() {
     total = _mm256_add_epi32(total, _mm256_madd_epi16(part, _mm256_set1_epi16(1)));

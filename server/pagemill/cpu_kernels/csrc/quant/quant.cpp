@@ -91,10 +91,10 @@ void linear_quant(int type, const uint8_t* w, int64_t N, int64_t K, const void* 
     }
     const int t = omp_get_thread_num(), nt = omp_get_num_threads();
     const pagemill::balance::Busy busy(balance, t, nt);
-    const int64_t groups = (N + kGroup - 1) / kGroup;
-    const int64_t g0 = pagemill::balance::bound(balance, groups, t, nt);
-    const int64_t g1 = pagemill::balance::bound(balance, groups, t + 1, nt);
-    gemm_range(wt, a, M, g0 * kGroup, g1 * kGroup < N ? g1 * kGroup : N, o);
+    const int64_t span = kTileGroups * kGroup, units = (N + span - 1) / span;  // whole tiles of columns
+    const int64_t u0 = pagemill::balance::bound(balance, units, t, nt);
+    const int64_t u1 = pagemill::balance::bound(balance, units, t + 1, nt);
+    gemm_range(wt, a, M, u0 * span, u1 * span < N ? u1 * span : N, o);
   }
   pagemill::balance::end_team(balance);
 }

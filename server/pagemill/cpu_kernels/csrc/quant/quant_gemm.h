@@ -4,8 +4,8 @@
 //
 // W is a prepared weight (repack.h: groups of 8 rows, then the N % 8 last rows as GGUF rows,
 // packed per call into a scratch group by pack_tail). Work order, per thread: rows in chunks
-// whose int8 activations stay in L2 (kActsL2), and per chunk each group of 8 columns against
-// tiles of 4 rows over all of K: each group block unpacked once serves the 4 rows from
+// whose int8 activations stay in L2 (kActsL2), and per chunk each pair of groups (16 columns)
+// against tiles of 4 rows over all of K: each group block unpacked once serves the 4 rows from
 // registers, and at 1 row a thread streams its groups' bytes once, in order, asking ahead.
 #pragma once
 #include <stdint.h>
@@ -20,7 +20,7 @@
 namespace pagemill::quant {
 
 constexpr int kTileRows = 4;
-constexpr int64_t kActsL2 = 192 << 10;  // int8 activation bytes a row chunk keeps in L2
+constexpr int64_t kActsL2 = 320 << 10;  // int8 activation bytes a row chunk keeps in L2
 
 struct Weight {
   int type = 0;
@@ -64,9 +64,13 @@ inline void store_row(const Out& o, int64_t m, int64_t n, int64_t count, const f
   }
 }
 
+constexpr int kTileGroups = 2;  // groups a tile takes at once (tile_legacy.h says why)
 #if defined(PAGEMILL_QUANT_SIMD)
+static_assert(simd::kTileGroups == kTileGroups, "one tile width");
+
 template <int MR>
-void tile_simd(int type, const uint8_t* gp, int64_t blocks, const Acts& a, int64_t r0, bool ahead, float (*out)[8]) {
+void tile_simd(int type, const uint8_t* const (&gp)[2], int64_t blocks, const Acts& a, int64_t r0, bool ahead,
+               float (*out)[16]) {  // fmt: skip
   switch (type) {
     case kQ8_0: return simd::legacy_tile<kQ8_0, MR>(gp, blocks, a, r0, ahead, out);
     case kQ4_0: return simd::legacy_tile<kQ4_0, MR>(gp, blocks, a, r0, ahead, out);
@@ -81,9 +85,10 @@ void tile_simd(int type, const uint8_t* gp, int64_t blocks, const Acts& a, int64
 }
 #endif
 
-// Rows [r0, r0 + mr) (mr <= kTileRows) x the group at gp -> out[r][c].
-inline void tile(int type, const uint8_t* gp, int64_t blocks, const Acts& a, int64_t r0, int mr, bool ahead,
-                 float (*out)[8]) {  // fmt: skip
+// Rows [r0, r0 + mr) (mr <= kTileRows) x the two groups at gp -> out[r][8 j + c] (gp[1] may
+// repeat gp[0]: an odd last group, its copy's columns not stored).
+inline void tile(int type, const uint8_t* const (&gp)[2], int64_t blocks, const Acts& a, int64_t r0, int mr,
+                 bool ahead, float (*out)[16]) {  // fmt: skip
 #if defined(PAGEMILL_QUANT_SIMD)
   switch (mr) {
     case 4: return tile_simd<4>(type, gp, blocks, a, r0, ahead, out);
@@ -93,25 +98,30 @@ inline void tile(int type, const uint8_t* gp, int64_t blocks, const Acts& a, int
   }
 #else
   (void)ahead;
-  scalar::tile(type, gp, blocks, a, r0, mr, out);
+  for (int j = 0; j < kTileGroups && (j == 0 || gp[j] != gp[0]); ++j) {
+    float one[kTileRows][8];
+    scalar::tile(type, gp[j], blocks, a, r0, mr, one);
+    for (int r = 0; r < mr; ++r)
+      for (int c = 0; c < 8; ++c) out[r][8 * j + c] = one[r][c];
+  }
 #endif
 }
 
 // y[m, n] for m < M, n0 <= n < n1 (a quantized type; a: the M rows quantized for it).
 inline void gemm_range(const Weight& w, const Acts& a, int64_t M, int64_t n0, int64_t n1, const Out& o) {
-  const int64_t blocks = w.K / layout(w.type).elems;
+  const int64_t blocks = w.K / layout(w.type).elems, span = kTileGroups * kGroup;
   int64_t chunk = kActsL2 / w.K / kTileRows * kTileRows;
   chunk = chunk < kTileRows ? kTileRows : chunk;
   for (int64_t m0 = 0; m0 < M; m0 += chunk) {
     const int64_t m1 = m0 + chunk < M ? m0 + chunk : M;
-    for (int64_t g = n0 / kGroup; g * kGroup < n1; ++g) {
-      const uint8_t* gp = group_at(w, g);
-      const int64_t lo = g * kGroup > n0 ? g * kGroup : n0, hi = g * kGroup + kGroup < n1 ? g * kGroup + kGroup : n1;
+    for (int64_t g = n0 / kGroup; g * kGroup < n1; g += kTileGroups) {
+      const uint8_t* const gp[2] = {group_at(w, g), (g + 1) * kGroup < n1 ? group_at(w, g + 1) : group_at(w, g)};
+      const int64_t first = g * kGroup, lo = first > n0 ? first : n0, hi = first + span < n1 ? first + span : n1;
       for (int64_t r0 = m0; r0 < m1; r0 += kTileRows) {
         const int mr = (int)(m1 - r0 < kTileRows ? m1 - r0 : kTileRows);
-        alignas(32) float acc[kTileRows][8];
+        alignas(32) float acc[kTileRows][16];
         tile(w.type, gp, blocks, a, r0, mr, r0 == m0, acc);
-        for (int r = 0; r < mr; ++r) store_row(o, r0 + r, lo, hi - lo, acc[r] + (lo - g * kGroup));
+        for (int r = 0; r < mr; ++r) store_row(o, r0 + r, lo, hi - lo, acc[r] + (lo - first));
       }
     }
   }

@@ -1,4 +1,4 @@
-// The vector tile for the K-quants (Q4_K, Q5_K, Q6_K): one repacked group (8 output columns)
+// The vector tile for the K-quants (Q4_K, Q5_K, Q6_K): repacked groups (8 output columns each)
 // against MR activation rows (ggml's Q8_K: one scale per 256), over all of K.
 //
 // Per super-block of 256, exact int32 sums per column, then in float32 (as tile_scalar.h):
@@ -17,7 +17,7 @@
 #include "quant/dot_simd.h"
 #include "quant/quantize_rows.h"
 #include "quant/repack.h"
-#include "quant/tile_legacy.h"  // kAhead
+#include "quant/tile_legacy.h"  // kAhead, kTileGroups
 
 #if defined(PAGEMILL_QUANT_SIMD)
 namespace pagemill::quant::simd {
@@ -36,26 +36,23 @@ inline void k_scales(const uint8_t* s, uint8_t* sc, uint8_t* mn) {
   _mm256_store_si256((__m256i*)(mn + 32), mn1);
 }
 
-// A Q4_K/Q5_K group super-block's products with MR rows, each run through its scale.
+// A Q4_K/Q5_K group super-block's products with MR rows, each run of 32 through its scale.
 template <int kType, int MR>
 inline void k45_products(const uint8_t* g, const int8_t* const* x, const uint8_t* sc, Sum (&s)[MR]) {
   constexpr X8 o = x8_offsets(kType);
   constexpr bool five = kType == kQ5_K;
-  for (int j = 0; j < 8; ++j) {
-    const __m256i scale = scales_u8(sc + 8 * j);
-    const __m256i h = five ? load(g + o.bits + 32 * j) : _mm256_setzero_si256();
+  for (int q = 0; q < 8; ++q) {
+    const __m256i scale = scales_u8(sc + 8 * q);
+    const __m256i h = five ? load(g + o.bits + 32 * q) : _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int i = 0; i < 4; ++i) {
-      const __m256i w = load(g + o.runs + 128 * j + 32 * i);
-      __m256i lo = low4(w), hi = high4(w);
-      if (five) {
-        lo = _mm256_or_si256(lo, bit_to_4(h, i));
-        hi = _mm256_or_si256(hi, bit_to_4(h, 4 + i));
-      }
+      const __m256i w = load(g + o.runs + 128 * q + 32 * i);
+      const __m256i lo = five ? _mm256_or_si256(low4(w), bit_to_4(h, i)) : low4(w);
+      const __m256i hi = five ? _mm256_or_si256(high4(w), bit_to_4(h, 4 + i)) : high4(w);
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
-        s[r].add(lo, x[r] + 32 * j + 4 * i);
-        s[r].add(hi, x[r] + 32 * j + 16 + 4 * i);
+        s[r].add(lo, bcast4(x[r] + 32 * q + 4 * i));
+        s[r].add(hi, bcast4(x[r] + 32 * q + 16 + 4 * i));
         if (five && i == 1) s[r].flush(scale);
       }
     }
@@ -69,26 +66,26 @@ inline void k45_products(const uint8_t* g, const int8_t* const* x, const uint8_t
 template <int MR>
 inline void q6_products(const uint8_t* g, const int8_t* const* x, Sum (&s)[MR]) {
   constexpr X8 o = x8_offsets(kQ6_K);
-  for (int j = 0; j < 8; ++j)
+  for (int q = 0; q < 8; ++q)
 #pragma GCC unroll 2
     for (int half = 0; half < 2; ++half) {
-      const __m256i scale = scales_i8(g + o.scales + 8 * (2 * j + half));
-      const __m256i h = load(g + o.bits + 64 * j + 32 * half);
+      const __m256i scale = scales_i8(g + o.scales + 8 * (2 * q + half));
+      const __m256i h = load(g + o.bits + 64 * q + 32 * half);
 #pragma GCC unroll 4
       for (int i = 0; i < 4; ++i) {
-        const __m256i w = load(g + o.runs + 128 * j + 32 * i);
-        const __m256i q = _mm256_or_si256(half ? high4(w) : low4(w), bits_to_45(h, 2 * i));
+        const __m256i v = load(g + o.runs + 128 * q + 32 * i);
+        const __m256i w = _mm256_or_si256(half ? high4(v) : low4(v), bits_to_45(h, 2 * i));
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
-          s[r].add(q, x[r] + 32 * j + 16 * half + 4 * i);
+          s[r].add(w, bcast4(x[r] + 32 * q + 16 * half + 4 * i));
           if (i & 1) s[r].flush(scale);
         }
       }
     }
 }
 
-// The super-block's sums through d (and dmin) into the MR rows' accumulators; mn: the decoded
-// mins (Q4_K/Q5_K).
+// One group's super-block sums through d (and dmin) into the MR rows' accumulators; mn: the
+// group's decoded mins (Q4_K/Q5_K).
 template <int kType, int MR>
 inline void k_scale(const uint8_t* g, const uint8_t* mn, const RowsOf<MR>& rows, int64_t b, Sum (&s)[MR],
                     __m256 (&acc)[MR]) {  // fmt: skip
@@ -117,14 +114,10 @@ inline void k_scale(const uint8_t* g, const uint8_t* mn, const RowsOf<MR>& rows,
   }
 }
 
-// Rows [r0, r0 + MR) x the group at gp (blocks: K / 256 super-blocks) -> out[r][c].
+// Rows [r0, r0 + MR) x one group at gp, all of K -> acc.
 template <int kType, int MR>
-void k_tile(const uint8_t* gp, int64_t blocks, const Acts& a, int64_t r0, bool ahead, float (*out)[8]) {
+void k_group(const uint8_t* gp, int64_t blocks, const RowsOf<MR>& rows, bool ahead, __m256 (&acc)[MR]) {
   const int64_t gb = group_block_bytes(kType);
-  const RowsOf<MR> rows(a, r0);
-  __m256 acc[MR];
-#pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
   alignas(32) uint8_t sc[64], mn[64];
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* g = gp + b * gb;
@@ -141,8 +134,22 @@ void k_tile(const uint8_t* gp, int64_t blocks, const Acts& a, int64_t r0, bool a
     }
     k_scale<kType, MR>(g, mn, rows, b, s, acc);
   }
+}
+
+// Rows [r0, r0 + MR) x the groups at gp (blocks: K / 256 super-blocks) -> out[r][8 j + c]. One
+// group at a time: a super-block keeps an int32 sum per row and group live across its 8 runs,
+// and two groups' sums and partials (16 registers at 4 rows) spilled (measured: no gain).
+template <int kType, int MR>
+void k_tile(const GroupPtrs& gp, int64_t blocks, const Acts& a, int64_t r0, bool ahead, float (*out)[16]) {
+  const RowsOf<MR> rows(a, r0);
+  for (int j = 0; j < kTileGroups && (j == 0 || gp[j] != gp[0]); ++j) {
+    __m256 acc[MR];
 #pragma GCC unroll 8
-  for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out[r], acc[r]);
+    for (int r = 0; r < MR; ++r) acc[r] = _mm256_setzero_ps();
+    k_group<kType, MR>(gp[j], blocks, rows, ahead, acc);
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) _mm256_storeu_ps(out[r] + 8 * j, acc[r]);
+  }
 }
 
 }  // namespace pagemill::quant::simd
