@@ -10,7 +10,8 @@ against torch's F.linear on the dequantized weights in float32 and bfloat16.
 - M = 64 and 512 (batched decode, prefill chunks): GFLOP/s (2 M N K / time) of one weight,
   and the ratio to torch's float32 and bfloat16 F.linear at the same shape.
 Each repetition times every path back to back (interleaved, so machine noise hits them alike);
-the table gives medians. --quick leaves out the output heads at 512 rows (the slowest cells).
+the table gives medians (at least 2 repetitions; a cell stops adding them after 90 s). --quick
+leaves out the output heads at 512 rows (the slowest cells).
 K-quants need K % 256 == 0: Gemma's 640-wide inputs are "-" for them (its GGUF uses Q5_0/Q8_0).
 """
 
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import time
@@ -58,17 +60,22 @@ def random_weight(qtype: int, n: int, k: int, rng: np.random.Generator) -> torch
     return torch.from_numpy(b.reshape(n, -1))
 
 
-def timed(paths: dict, reps: int, calls: int) -> dict[str, float]:
-    """Median seconds per call of each path; path(i) makes call i (i picks a copy of the weight)."""
+def timed(paths: dict, reps: int, calls: int, budget_s: float = 90.0) -> dict[str, float]:
+    """Median seconds per call of each path; path(i) makes call i (i picks a copy of the weight).
+    Past budget_s, a cell stops after 2 repetitions (torch's bf16 GEMM at 512 rows of an output
+    head takes a minute a call on CPUs without AVX512-BF16)."""
     times: dict[str, list[float]] = {p: [] for p in paths}
     for fn in paths.values():
         fn(0)  # warm: first-touch pages, build-once state
-    for _ in range(reps):
+    start = time.perf_counter()
+    for rep in range(reps):
         for p, fn in paths.items():
             t = time.perf_counter()
             for i in range(calls):
                 fn(i)
             times[p].append((time.perf_counter() - t) / calls)
+        if rep >= 1 and time.perf_counter() - start > budget_s:
+            break
     return {p: statistics.median(v) for p, v in times.items()}
 
 
@@ -142,8 +149,11 @@ def cpu_info(kernel: QuantKernel) -> dict:
     wanted = ["avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
               "amx_int8"]  # fmt: skip
     path = {2: "VNNI (vpdpbusd)", 1: "AVX2 (vpmaddubsw)", 0: "portable"}[kernel.simd]
+    # A busy machine and libgomp's spinning waits make the 2-thread cells slower than 1 thread
+    # (a plain read included); the load and the wait policy say how to read them.
     return {"model": model, "flags": [f for f in wanted if f in flags], "kernel_path": path,
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}  # fmt: skip
+            "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(default)"), "load_average": os.getloadavg()}  # fmt: skip
 
 
 def table(results: list[dict], rows: list[int]) -> str:
@@ -193,7 +203,8 @@ def main() -> None:
     read_gbs = read_rate()
     info = cpu_info(kernel)
     print(f"{info['model']}; flags {' '.join(info['flags'])}; kernels: {info['kernel_path']}; "
-          f"{info['torch_threads']} threads; plain read {read_gbs or 0:.1f} GB/s", flush=True)  # fmt: skip
+          f"{info['torch_threads']} threads; plain read {read_gbs or 0:.1f} GB/s; OMP_WAIT_POLICY "
+          f"{info['omp_wait_policy']}; load average {info['load_average'][0]:.1f}", flush=True)  # fmt: skip
     results = []
     for model, linear, n, k in SHAPES:
         if model not in args.models.split(","):

@@ -16,7 +16,7 @@ original afterwards. The activations are quantized per call as ggml quantizes th
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,6 +45,7 @@ GGML_TYPES: dict[int, QuantType] = {
     30: QuantType("BF16", 1, 2),
 }
 FLOAT_TYPES = frozenset({0, 1, 30})
+_ROW_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _type_name(qtype: int) -> str:
@@ -52,7 +53,7 @@ def _type_name(qtype: int) -> str:
     return t.name if t else f"ggml type {qtype}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PreparedWeight:
     """A weight as the kernels read it: `data` uint8 [out_features, row_bytes], the GGUF rows
     repacked (quantized types) or as they are (float types)."""
@@ -61,6 +62,10 @@ class PreparedWeight:
     qtype: int
     out_features: int
     in_features: int
+    data_ptr: int = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "data_ptr", self.data.data_ptr())
 
     @property
     def nbytes(self) -> int:
@@ -129,25 +134,30 @@ class QuantKernel:
 
     def linear(self, x: torch.Tensor, w: PreparedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] float32 or bfloat16 (CPU) -> x @ W^T (+ bias) [..., N] in x's dtype."""
-        if not isinstance(x, torch.Tensor) or x.dtype not in (torch.float32, torch.bfloat16) or x.device.type != "cpu":
+        n, k = w.out_features, w.in_features
+        # The decode path (2-d contiguous rows, no bias) checks only what it must: at one row of a
+        # small weight the Python around the call costs as much as the call (x.device.type and
+        # reshapes were most of it).
+        if type(x) is not torch.Tensor or x.dtype not in _ROW_DTYPES or not x.is_cpu:
             raise ValueError(f"{w.type_name} linear takes float32/bfloat16 CPU rows, got "
                              f"{getattr(x, 'dtype', type(x))} {tuple(getattr(x, 'shape', ()))}")  # fmt: skip
-        if x.dim() == 0 or x.shape[-1] != w.in_features:
-            raise ValueError(f"{w.type_name} linear: x {tuple(x.shape)} against a weight "
-                             f"[{w.out_features}, {w.in_features}]")  # fmt: skip
-        n, k = w.out_features, w.in_features
-        rows = x.reshape(-1, k).contiguous()
-        b = None
+        shape = x.shape
+        if len(shape) == 0 or shape[-1] != k:
+            raise ValueError(f"{w.type_name} linear: x {tuple(shape)} against a weight [{n}, {k}]")
+        rows = x if len(shape) == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+        b = 0
         if bias is not None:
             if not isinstance(bias, torch.Tensor) or bias.numel() != n or bias.dim() != 1:
                 raise ValueError(f"{w.type_name} linear: bias {tuple(getattr(bias, 'shape', ()))} for {n} outputs")
-            b = bias.detach().to(torch.float32).contiguous()
-        y = torch.empty((rows.shape[0], n), dtype=x.dtype)
-        rc = self._linear(w.qtype, w.data.data_ptr(), n, k, rows.data_ptr(), int(x.dtype == torch.bfloat16),
-                          rows.shape[0], 0 if b is None else b.data_ptr(), y.data_ptr(), torch.get_num_threads())  # fmt: skip
+            bias = bias.detach().to(torch.float32).contiguous()
+            b = bias.data_ptr()
+        m = rows.shape[0]
+        y = torch.empty((m, n), dtype=x.dtype)
+        rc = self._linear(w.qtype, w.data_ptr, n, k, rows.data_ptr(), int(x.dtype == torch.bfloat16), m, b,
+                          y.data_ptr(), torch.get_num_threads())  # fmt: skip
         if rc != 0:
-            raise ValueError(f"{w.type_name} linear rejected x {tuple(x.shape)} against [{n}, {k}]")
-        return y.reshape(*x.shape[:-1], n)
+            raise ValueError(f"{w.type_name} linear rejected x {tuple(shape)} against [{n}, {k}]")
+        return y if len(shape) == 2 else y.reshape(*shape[:-1], n)
 
     def embedding(self, ids: torch.Tensor, w: PreparedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (int64 [T], any shape) of W as floats -> [*ids.shape, K] in dtype (float32 / bfloat16)."""
@@ -165,7 +175,7 @@ class QuantKernel:
     def _read_rows(self, w: PreparedWeight, ids: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
         t = w.out_features if ids is None else ids.numel()
         y = torch.empty((t, w.in_features), dtype=dtype)
-        rc = self._rows(w.qtype, w.data.data_ptr(), w.out_features, w.in_features, None if ids is None else ids.data_ptr(),
+        rc = self._rows(w.qtype, w.data_ptr, w.out_features, w.in_features, None if ids is None else ids.data_ptr(),
                         t, y.data_ptr(), int(dtype == torch.bfloat16), torch.get_num_threads())  # fmt: skip
         if rc == 2:
             bad = ids[(ids < 0) | (ids >= w.out_features)][:4].tolist() if ids is not None else []

@@ -7,6 +7,16 @@
 // whose int8 activations stay in L2 (kActsL2), and per chunk each pair of groups (16 columns)
 // against tiles of 4 rows over all of K: each group block unpacked once serves the 4 rows from
 // registers, and at 1 row a thread streams its groups' bytes once, in order, asking ahead.
+//
+// From a fused layer (per linear; quant.cpp's linear_quant does the same):
+//   const int blk = acts_block(type);                       // 32, or 256 for the K-quants
+//   Acts a = acts_in(buf, M, K, blk);                      // buf: acts_bytes(M, K, blk) bytes
+//   for (m...) quantize_row(x, x_is_bf16, m, a, tmp);      // once per input and block size:
+//                                                          // q/k/v of one input share it
+//   Weight w{type, prepared_bytes, N, K};
+//   pack_tail(w, tail_buf);                                // 8 * row_bytes, once at load is fine
+//   per thread: gemm_range(w, a, M, n0, n1, out);          // its columns; out.add for residuals
+// Column ranges starting at a multiple of 16 keep each tile's two groups in one thread.
 #pragma once
 #include <stdint.h>
 
@@ -54,8 +64,41 @@ inline void pack_tail(Weight& w, uint8_t* scratch) {
   w.tail = scratch;
 }
 
+#if defined(PAGEMILL_QUANT_SIMD)
+// 8 floats -> bfloat16 bits, as float_to_bf16 rounds each (nearest even, NaN kept quiet).
+inline __m128i narrow_bf16_8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff))), 16);
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+}
+
+// store_row's first count - count % 8 outputs, 8 at a time; returns how many it wrote.
+inline int64_t store_row8(const Out& o, int64_t m, int64_t n, int64_t count, const float* v) {
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) {
+    __m256 r = _mm256_loadu_ps(v + i);
+    if (o.bias) r = _mm256_add_ps(r, _mm256_loadu_ps(o.bias + n + i));
+    if (o.bf16) {
+      _mm_storeu_si128((__m128i*)((uint16_t*)o.y + m * o.ld + n + i), narrow_bf16_8(r));
+    } else {
+      float* y = (float*)o.y + m * o.ld + n + i;
+      _mm256_storeu_ps(y, o.add ? _mm256_add_ps(_mm256_loadu_ps(y), r) : r);
+    }
+  }
+  return i;
+}
+#endif
+
+// Outputs [n, n + count) of row m: v (+ bias), rounded to bf16 or added to y as o asks.
 inline void store_row(const Out& o, int64_t m, int64_t n, int64_t count, const float* v) {
-  for (int64_t i = 0; i < count; ++i) {
+  int64_t i = 0;
+#if defined(PAGEMILL_QUANT_SIMD)
+  i = store_row8(o, m, n, count, v);
+#endif
+  for (; i < count; ++i) {
     const float r = o.bias ? v[i] + o.bias[n + i] : v[i];
     if (o.bf16)
       ((uint16_t*)o.y)[m * o.ld + n + i] = float_to_bf16(r);
