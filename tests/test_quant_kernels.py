@@ -132,6 +132,16 @@ def test_dequantize_matches_gguf_py(qtype):
         assert np.array_equal(got.view(np.uint32), ref.view(np.uint32)), NAMES[qtype]
 
 
+@pytest.mark.parametrize("qtype", [8, 7, 13, 14], ids=lambda t: NAMES[t])
+def test_prepare_in_place_gives_the_same_bytes(qtype):
+    """pagemill_quant_prepare with dst == src (repacking a writable buffer without a second copy)."""
+    n, k = 19, 512
+    raw = random_blocks(qtype, n, k, seed=13)
+    t = torch.from_numpy(raw.copy())
+    assert kernel._prepare(qtype, t.data_ptr(), t.data_ptr(), n, k, 2) == 0
+    assert torch.equal(t, prepare(raw, qtype, k).data)
+
+
 def _shapes(qtype: int) -> list[tuple[int, int]]:
     """(N, K): N never a multiple of the 8-row groups; K = 640 (Gemma 3's hidden size) for the
     32-element types."""
