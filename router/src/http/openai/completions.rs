@@ -12,12 +12,14 @@ use tokenizers::Tokenizer;
 use super::types::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput, Usage};
 use super::{logprobs, OPENAI};
 use crate::error::{OpenAiErrorBody, RouterError};
+use crate::grammar::GrammarParam;
 use crate::http::extract::OpenAiJson;
 use crate::http::response_meta::ResponseMeta;
 use crate::http::sse::{self, json_event, ChoiceEvent, ChoiceMsg, UsageFn};
 use crate::http::tenant::Tenant;
 use crate::http::{headers, AppState};
 use crate::infer::{GenerateInput, InferResponse};
+use crate::request::GenerateParameters;
 use crate::response::PrefillToken;
 
 fn invalid(msg: impl Into<String>) -> RouterError {
@@ -49,7 +51,7 @@ pub async fn completions(
     let prompts = prompts(&req, &tokenizer);
     check(&app, &req, prompts.len())?;
     let want_prompt_logprobs = prompt_logprobs_wanted(&req)?;
-    let mut parameters = req.sampling.to_parameters(req.sampling.max_tokens, req.logprobs)?;
+    let mut parameters = parameters(&req)?;
     parameters.decoder_input_details = want_prompt_logprobs;
     let n = req.sampling.n.unwrap_or(1);
     let meta = ResponseMeta::new(&app, "cmpl");
@@ -99,8 +101,8 @@ fn prompts(req: &CompletionRequest, tokenizer: &Tokenizer) -> Vec<Prompt> {
         .collect()
 }
 
-/// What this route refuses before generating anything.
-fn check(app: &AppState, req: &CompletionRequest, num_prompts: usize) -> Result<(), RouterError> {
+/// What this route (and its render) refuses before generating anything.
+pub(super) fn check(app: &AppState, req: &CompletionRequest, num_prompts: usize) -> Result<(), RouterError> {
     if num_prompts == 0 {
         return Err(invalid("`prompt` must not be empty"));
     }
@@ -119,7 +121,34 @@ fn check(app: &AppState, req: &CompletionRequest, num_prompts: usize) -> Result<
     if req.echo && req.sampling.stream {
         return Err(invalid("`echo` is not supported with `stream`"));
     }
-    Ok(())
+    check_engine_fields(req)
+}
+
+/// The generation parameters; SGLang's `json_schema` is one more way to give the grammar.
+pub fn parameters(req: &CompletionRequest) -> Result<GenerateParameters, RouterError> {
+    let mut parameters = req.sampling.to_parameters(req.sampling.max_tokens, req.logprobs)?;
+    if let Some(schema) = req.json_schema.clone().filter(|s| !s.is_null()) {
+        if parameters.grammar.is_some() {
+            return Err(invalid("`json_schema` cannot be combined with another constraint: give one"));
+        }
+        parameters.grammar = Some(GrammarParam::Json(schema));
+    }
+    Ok(parameters)
+}
+
+/// `suffix` (fill-in-the-middle) and `best_of` above `n` are not done.
+fn check_engine_fields(req: &CompletionRequest) -> Result<(), RouterError> {
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(RouterError::Unsupported("`suffix`: fill-in-the-middle is not supported".into()));
+    }
+    let n = req.sampling.n.unwrap_or(1);
+    match req.best_of {
+        Some(b) if b < n => Err(invalid(format!("`best_of` must be >= `n`. Given: best_of {b}, n {n}"))),
+        Some(b) if b > n => Err(RouterError::Unsupported(format!(
+            "`best_of`: only equal to `n` (every generated choice is returned). Given: best_of {b}, n {n}"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// `prompt_logprobs`: only 0 (the prompt tokens' own logprobs), and not streamed.
