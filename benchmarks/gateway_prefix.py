@@ -8,7 +8,8 @@ Workload: 8 system prompts (~1,100 tokens) x 8 short questions, shuffled
 (seeded), 4 requests in flight, 8 greedy tokens each, OpenAI /v1/completions,
 float32, the default model (SmolLM2-135M), 16-token KV blocks (what the
 routers' block-based indexes assume). Every policy starts from fresh servers
-(cold caches):
+(cold caches). `--systems`, `--questions`, `--rules` (prompt length) and
+`--max-batch-prefill-tokens` shrink the workload for a small machine.
 
 - single: one pagemill server alone (what computing each prefix once costs);
 - pagemill --data-parallel 2 with --routing round-robin and prefix;
@@ -35,6 +36,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import ExitStack, contextmanager
 from datetime import datetime, timezone
@@ -49,18 +51,26 @@ from pagemill.bench.history import append_history, cpu_record, git_commit  # noq
 from pagemill.bench.serve import LaunchedServer  # noqa: E402
 
 BLOCK = 16
-SYSTEMS = [f"You are assistant number {i} of the archive. " + " ".join(
-    f"Rule {i}.{k}: the record {k * 37 % 101} of shelf {i} is filed under section {k % 13}." for k in range(58))
-    for i in range(8)]  # fmt: skip
+RULES = 58  # rules per system prompt: ~1,100 tokens
+
+
+def systems(rules: int = RULES) -> list[str]:
+    return [f"You are assistant number {i} of the archive. " + " ".join(
+        f"Rule {i}.{k}: the record {k * 37 % 101} of shelf {i} is filed under section {k % 13}." for k in range(rules))
+        for i in range(8)]  # fmt: skip
+
+
+SYSTEMS = systems()
 QUESTIONS = ["What is rule one?", "Summarise the rules.", "Which shelf is yours?", "Say hello.",
              "Name a section.", "What comes last?", "Is anything missing?", "Who are you?"]  # fmt: skip
 POLICIES = ("single", "pagemill-round-robin", "pagemill-prefix", "vllm-router-round_robin",
             "vllm-router-cache_aware", "vllm-router-kv_aware", "sglang-router-cache_aware")  # fmt: skip
 
 
-def workload(seed: int) -> list[tuple[int, str]]:
+def workload(seed: int, n_systems: int = len(SYSTEMS), questions: int = len(QUESTIONS),
+             rules: int = RULES) -> list[tuple[int, str]]:
     items = [(i, f"{system}\nQuestion: {q}\nAnswer:") for i, (system, q) in
-             enumerate((s, q) for s in SYSTEMS for q in QUESTIONS)]  # fmt: skip
+             enumerate((s, q) for s in systems(rules)[:n_systems] for q in QUESTIONS[:questions])]  # fmt: skip
     random.Random(seed).shuffle(items)
     return items
 
@@ -72,14 +82,14 @@ def prefill_tokens(url: str) -> float:
     raise KeyError("pagemill_prefill_tokens_total")
 
 
-async def drive(url: str, items: list[tuple[int, str]], in_flight: int, max_tokens: int) -> dict[int, str]:
+async def drive(url: str, model: str, items: list[tuple[int, str]], in_flight: int, max_tokens: int) -> dict[int, str]:
     """`in_flight` workers take the next request as theirs finish; texts by request index."""
     queue, texts = list(items), {}
 
     async def worker(client: httpx.AsyncClient) -> None:
         while queue:
             i, prompt = queue.pop(0)
-            body = {"model": "default", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+            body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
             r = await client.post(url + "/v1/completions", json=body)
             if r.status_code != 200:
                 raise RuntimeError(f"request {i}: {r.status_code} {r.text[:300]}")
@@ -126,7 +136,7 @@ class Bench:
         self.a, self.model = a, model
         self.port = a.port
         os.makedirs(a.out, exist_ok=True)
-        self.logs = os.path.join(a.out, "logs")
+        self.logs = a.logs or tempfile.mkdtemp(prefix="gateway-prefix-logs-")
         os.makedirs(self.logs, exist_ok=True)
 
     def next_port(self) -> int:
@@ -134,8 +144,11 @@ class Bench:
         return self.port
 
     def server_args(self, *extra: str) -> list[str]:
-        return ["--model", self.model, "--dtype", "float32", "--block-size", str(BLOCK), "--max-input-tokens", "2048",
-                "--max-total-tokens", "2560", "--max-batch-prefill-tokens", "4096", *extra]  # fmt: skip
+        prefill = self.a.max_batch_prefill_tokens
+        max_input = min(2048, prefill)  # a prompt fits one prefill step
+        return ["--model", self.model, "--dtype", "float32", "--block-size", str(BLOCK), "--max-input-tokens",
+                str(max_input), "--max-total-tokens", str(max_input + 512), "--max-batch-prefill-tokens", str(prefill),
+                *extra]  # fmt: skip
 
     def pagemill(self, stack: ExitStack, name: str, *extra: str) -> str:
         port = self.next_port()
@@ -182,7 +195,9 @@ class Bench:
             url, servers = self.entry(stack, policy)
             before = sum(prefill_tokens(s) for s in servers)
             start = time.perf_counter()
-            texts = asyncio.run(drive(url, workload(self.a.seed), self.a.in_flight, self.a.max_tokens))
+            items = workload(self.a.seed, self.a.systems, self.a.questions, self.a.rules)
+            model = httpx.get(servers[0] + "/v1/models", timeout=10).json()["data"][0]["id"]
+            texts = asyncio.run(drive(url, model, items, self.a.in_flight, self.a.max_tokens))
             wall = time.perf_counter() - start
             time.sleep(0.5)
             computed = sum(prefill_tokens(s) for s in servers) - before
@@ -219,6 +234,12 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="model dir (default: the default model, SmolLM2-135M)")
     ap.add_argument("--out", default=_repo.results("gateway-prefix"))
     ap.add_argument("--port", type=int, default=9600, help="ports from here on")
+    ap.add_argument("--systems", type=int, default=len(SYSTEMS), help="system prompts (at most 8)")
+    ap.add_argument("--questions", type=int, default=len(QUESTIONS), help="questions per system prompt (at most 8)")
+    ap.add_argument("--rules", type=int, default=RULES, help="rules per system prompt (58: ~1,100 tokens)")
+    ap.add_argument("--max-batch-prefill-tokens", type=int, default=4096,
+                    help="the servers' prefill step (warmup runs one this large)")
+    ap.add_argument("--logs", default=None, help="folder for the servers' and routers' logs (default: a temporary one)")
     ap.add_argument("--in-flight", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
@@ -239,7 +260,8 @@ def main() -> None:
             r["outputs_differ"] = sum(r["texts"][i] != reference[i] for i in reference)
             r["outputs_identical"] = r["outputs_differ"] == 0
     lines = table(results)
-    print("\n".join(["", f"8 system prompts x 8 questions, {a.in_flight} in flight, float32, {BLOCK}-token blocks",
+    print("\n".join(["", f"{a.systems} system prompts x {a.questions} questions, {a.in_flight} in flight, float32, "
+                         f"{BLOCK}-token blocks",
                      *lines]))  # fmt: skip
     write(a, results, lines)
 
@@ -249,8 +271,10 @@ def write(a: argparse.Namespace, results: dict, lines: list[str]) -> None:
         cpu = cpu_record(parse_cpuinfo(f.read()))
     figures = {k: {f: v for f, v in r.items() if f != "texts"} for k, r in results.items()}
     run = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"), "commit": git_commit(_repo.ROOT),
-           "cpu": cpu, "workload": {"systems": len(SYSTEMS), "questions": len(QUESTIONS), "in_flight": a.in_flight,
-           "max_tokens": a.max_tokens, "seed": a.seed, "block_size": BLOCK, "dtype": "float32", "model": a.model},
+           "cpu": cpu, "workload": {"systems": a.systems, "questions": a.questions, "in_flight": a.in_flight,
+           "max_tokens": a.max_tokens, "seed": a.seed, "rules": a.rules,
+           "max_batch_prefill_tokens": a.max_batch_prefill_tokens, "block_size": BLOCK, "dtype": "float32",
+           "model": a.model},
            "policies": figures, "table": lines}  # fmt: skip
     with open(os.path.join(a.out, "latest.json"), "w") as f:
         json.dump({**run, "texts": {k: r.get("texts") for k, r in results.items()}}, f, indent=2)
