@@ -10,6 +10,7 @@ pub mod admission;
 mod ahead;
 #[cfg(test)]
 mod fake_shard;
+mod in_flight;
 mod order;
 mod preempt;
 mod priority_preempt;
@@ -23,6 +24,8 @@ mod tenant_cap;
 mod tests;
 #[cfg(test)]
 mod tests_ahead;
+#[cfg(test)]
+mod tests_in_flight;
 #[cfg(test)]
 mod tests_priority;
 #[cfg(test)]
