@@ -56,8 +56,12 @@ def _train(size: int, pre: pre_tokenizers.PreTokenizer, alphabet: list[str]) -> 
 def byte_level_vocab(size: int, pre: str = "smollm") -> Vocab:
     """Byte-level BPE of exactly `size` tokens: 3 ChatML control tokens, then the trained vocab."""
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    vocab, merges = _train(size - len(specials) + 40, pre_tokenizers.ByteLevel(add_prefix_space=False),
-                           pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Trained under the split the file's pre-tokenizer names, as the real vocabularies are
+    # (SmolLM's has no token of two digits: its training split them one by one).
+    pre_tok = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level]) \
+        if pre == "smollm" else byte_level  # fmt: skip
+    vocab, merges = _train(size - len(specials) + 40, pre_tok, pre_tokenizers.ByteLevel.alphabet())
     ordered = sorted(vocab, key=vocab.get)
     # Keep the merges whose result is kept, so the BPE stays consistent.
     keep = ordered[: size - len(specials)]
