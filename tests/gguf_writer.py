@@ -143,11 +143,21 @@ def _vocab(w: GGUFWriter, v: Vocab) -> None:
         w.add_chat_template(v.chat_template)
 
 
+# What llama-quantize writes instead of a k-quant for rows that are not whole 256-value blocks.
+K_FALLBACK = {T.Q4_K: T.Q5_0, T.Q5_K: T.Q5_1, T.Q6_K: T.Q8_0}
+
+
 def default_types(qtype: T) -> Callable[[str, tuple[int, ...]], T]:
-    """qtype for every matrix, F32 for vectors (norms, biases) as llama.cpp keeps them; F16 for a
-    matrix whose rows are not whole blocks of qtype (llama.cpp's converter falls back the same way)."""
-    return lambda name, shape: (qtype if shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else T.F16) \
-        if len(shape) >= 2 else T.F32
+    """qtype for every matrix, F32 for vectors (norms, biases) as llama.cpp keeps them. A matrix
+    whose rows are not whole blocks gets llama-quantize's fallback type (k-quants), else F16."""
+
+    def choose(name: str, shape: tuple[int, ...]) -> T:
+        if len(shape) < 2:
+            return T.F32
+        t = qtype if shape[-1] % GGML_QUANT_SIZES[qtype][0] == 0 else K_FALLBACK.get(qtype, T.F16)
+        return t if shape[-1] % GGML_QUANT_SIZES[t][0] == 0 else T.F16
+
+    return choose
 
 
 def write_gguf(model_dir: str | Path, out: str | Path, vocab: Vocab, qtype: QType = T.Q8_0, parts: int = 1,

@@ -1,0 +1,97 @@
+"""Resident memory of a GGUF model served kept quantized, against the file's size.
+
+    PYTHONPATH=server python3 benchmarks/gguf_memory.py [--model FILE.gguf] [--context 1024]
+
+As a shard loads it (load_model, the shard's malloc settings, a KV pool of --context tokens),
+in this process: resident set (psutil; anonymous and file-backed apart, /proc) after the imports
+(the baseline every shard pays: Python, torch), after loading, after the pool, and after a
+prefill of 256 tokens and 32 decode steps; the peak is VmHWM, reset at the baseline. The model's
+share is the increase over the baseline; the target is 1.25 x the file size plus the pool.
+Writes benchmarks/results/gguf-memory/latest.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from int8_quality import Sequence  # noqa: E402
+
+GEMMA = Path("/work/peers/models/gemma-3-270m-q4_k_m.gguf")
+MIB = 1 << 20
+
+
+def status() -> dict[str, int]:
+    fields = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile", "VmHWM")}
+
+
+def snapshot(tag: str, base: dict[str, int] | None) -> dict[str, int]:
+    s = status()
+    s["rss"] = psutil.Process().memory_info().rss
+    extra = "" if base is None else f" (+{(s['rss'] - base['rss']) / MIB:.0f} MiB over the baseline)"
+    print(f"{tag:34s} RSS {s['rss'] / MIB:7.1f} MiB (anon {s['RssAnon'] / MIB:6.1f}, file {s['RssFile'] / MIB:6.1f}), "
+          f"peak {s['VmHWM'] / MIB:7.1f}{extra}", flush=True)  # fmt: skip
+    return s
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(GEMMA))
+    p.add_argument("--context", type=int, default=1024, help="tokens the KV pool holds")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-kernels", action="store_true")
+    a = p.parse_args()
+    from pagemill.models.gguf.linear import GGUFLinear
+    from pagemill.models.gguf.reader import GGUFModel
+    from pagemill.models.loader import load_model
+    from pagemill.shard.malloc_tuning import keep_freed_memory
+
+    keep_freed_memory()  # as the shard does
+    file_bytes = GGUFModel(a.model).total_bytes()
+    Path("/proc/self/clear_refs").write_text("5")  # peak from here
+    base = snapshot("baseline (imports)", None)
+    t0 = time.perf_counter()
+    model, config = load_model(a.model, a.dtype, "cpu", cpu_kernels=not a.no_kernels)
+    load_s = time.perf_counter() - t0
+    loaded = snapshot("model loaded", base)
+    seq = Sequence(model, config, getattr(torch, a.dtype), a.context)
+    pool_bytes = sum(t.nbytes for pair in seq.pool.kv_caches for t in pair)
+    pooled = snapshot("KV pool allocated", base)
+    ids = list(range(100, 356))
+    t0 = time.perf_counter()
+    out = [int(seq.step(ids)[-1].argmax())]
+    for _ in range(32):
+        out.append(int(seq.step([out[-1]])[-1].argmax()))
+    step_s = (time.perf_counter() - t0) / 33
+    steady = snapshot("after 256-token prefill + 32 steps", base)
+    kernel = sum(m.prepared is not None for m in model.modules() if isinstance(m, GGUFLinear))
+    model_bytes = steady["rss"] - base["rss"] - (pooled["rss"] - loaded["rss"])
+    result = {
+        "model": a.model, "file_bytes": file_bytes, "dtype": a.dtype, "kernel_linears": kernel,
+        "path": "compiled kernels" if kernel else "torch reference", "baseline_rss": base["rss"],
+        "loaded_rss": loaded["rss"], "pool_rss": pooled["rss"] - loaded["rss"], "steady_rss": steady["rss"],
+        "peak_rss": steady["VmHWM"], "model_share_steady": (loaded["rss"] - base["rss"]) / file_bytes,
+        "model_share_after_steps": model_bytes / file_bytes, "peak_over_baseline": (steady["VmHWM"] - base["rss"]) / file_bytes,
+        "load_seconds": load_s, "seconds_per_forward": step_s, "kv_pool_bytes": pool_bytes,
+        "target_bytes": 1.25 * file_bytes + pool_bytes, "over_baseline_steady": steady["rss"] - base["rss"],
+        "machine": platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+        "command": " ".join(sys.argv),
+    }  # fmt: skip
+    print(json.dumps({k: v for k, v in result.items() if k.endswith(("share_steady", "after_steps", "over_baseline"))}))
+    out_dir = HERE / "results" / "gguf-memory"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "latest.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
