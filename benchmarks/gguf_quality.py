@@ -56,10 +56,12 @@ def make_files(src: Path, out: Path, types: list[str]) -> tuple[dict[str, Path],
     files = {t: out / f"smollm2-135m-{t.lower()}.gguf" for t in ["F32", *types]}
     if tools is not None:
         quantize, convert = tools
-        subprocess.run([sys.executable, str(convert), str(src), "--outtype", "f32", "--outfile", str(files["F32"])],
-                       check=True)  # fmt: skip
+        if not files["F32"].is_file():  # files already in --work are reused
+            subprocess.run([sys.executable, str(convert), str(src), "--outtype", "f32", "--outfile",
+                            str(files["F32"])], check=True)  # fmt: skip
         for t in types:
-            subprocess.run([str(quantize), str(files["F32"]), str(files[t]), t], check=True)
+            if not files[t].is_file():
+                subprocess.run([str(quantize), str(files["F32"]), str(files[t]), t], check=True)
         return files, f"llama.cpp: convert_hf_to_gguf.py --outtype f32, then llama-quantize ({quantize})"
     from gguf import GGMLQuantizationType as T
     from gguf_writer import default_types, write_gguf

@@ -166,11 +166,11 @@ def _phi3(g: GGUFModel, a: _Meta, d: dict) -> dict:
     return out
 
 
-def _gemma_scale(d: dict, big_layers: int) -> float:
+def _gemma_scale(d: dict, big_layers: int) -> int:
     """query_pre_attn_scalar as llama.cpp's f_attention_scale implies it."""
     if d["num_hidden_layers"] == big_layers:  # the 27B model
-        return float(d["hidden_size"] // d["num_attention_heads"])
-    return float(d["head_dim"])
+        return d["hidden_size"] // d["num_attention_heads"]
+    return d["head_dim"]
 
 
 def _layer_types(n: int, sliding: Callable[[int], bool]) -> list[str]:

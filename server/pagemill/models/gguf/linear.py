@@ -27,9 +27,9 @@ from pagemill.models.gguf.types import ALL_TYPES
 
 log = logging.getLogger(__name__)
 
-# Values the torch path dequantizes at once (16 MiB of float32): bounds its temporary memory
+# Values the torch path dequantizes at once (4 MiB of float32): bounds its temporary memory
 # on a large matrix (a 262144-row output head) at no cost to small ones.
-CHUNK_VALUES = 1 << 22
+CHUNK_VALUES = 1 << 20
 _MADV_DONTNEED = 4
 
 
@@ -161,7 +161,8 @@ class GGUFEmbedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t, flat = self.table, ids.reshape(-1)
         if t.prepared is not None and flat.device.type == "cpu":
-            rows = t.kernel.embedding(flat.to(torch.int64), t.prepared, self.dtype)
+            out = self.dtype if self.dtype in (torch.float32, torch.bfloat16) else torch.float32
+            rows = t.kernel.embedding(flat.to(torch.int64), t.prepared, out)
         else:
             rows = dequantize(t.qweight.index_select(0, flat), t.qtype)
         return rows.to(self.dtype).reshape(*ids.shape, t.in_features)
