@@ -1,7 +1,7 @@
 """Small-batch decode with a fixed thread count against the shard's adaptive choice (shard/threads.py).
 
     python benchmarks/adaptive_threads.py --threads 2 --batch-size 1 --rounds 6 --block 32 \
-        --json benchmarks/results/decode-breakdown/adaptive.json
+        --json benchmarks/results/adaptive-threads/adaptive.json
 
 One bf16 shard of the default model in process (BlockRouter, greedy, 64-token
 prompts); blocks of `--block` decode steps alternate between `fixed` (all
@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 
 import torch
+
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """Batch-1 time per output token end to end, and where the router's step time goes.
 
-    python benchmarks/batch1_tpot.py --python /work/venv-b1/bin/python --label after \
+    python benchmarks/batch1_tpot.py --python /path/to/venv/bin/python --label after \
         --python python3 --label before --rounds 3 --requests 5 \
-        --args "--dtype bfloat16" --json benchmarks/results/decode-breakdown/e2e.json
+        --args "--dtype bfloat16" --json benchmarks/results/batch1-tpot/batch1.json
 
 Each (python, label) is one pagemill install; each round launches every
 install in turn (a fresh server each time, alternating, so machine noise
@@ -31,6 +31,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 
 
 def launch(python: str, port: int, args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:

@@ -1,6 +1,6 @@
 """bfloat16 against float32 on the CPU, interleaved in one process, against the memory floor.
 
-    python benchmarks/bf16_ab.py --batch-sizes 1,2,3,4,5,6,8,64 --steps 12 --json bf16_ab.json
+    python benchmarks/bf16_ab.py --batch-sizes 1,2,3,4,5,6,8,64 --steps 12 --json benchmarks/results/bf16-ab/bf16_ab-1thread.json
 
 Three measurements (the variants alternate within each round, so machine
 noise hits them alike; medians and minima; on a shared machine compare the
@@ -33,6 +33,8 @@ from dataclasses import asdict
 
 import torch
 import torch.nn.functional as F
+
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 

@@ -33,10 +33,11 @@ import time
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server"))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from kv_cache import tiny_model  # noqa: E402
+
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.bench.serve import LaunchedServer  # noqa: E402
 from pagemill.models.default_model import ensure_default_model  # noqa: E402
 
@@ -79,7 +80,7 @@ async def burst(url: str, concurrency: int, n: int, round_: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="model dir (default: a random-weight tiny Llama)")
-    ap.add_argument("--out", default="benchmarks/results/data-parallel")
+    ap.add_argument("--out", default=_repo.results("data-parallel"))
     ap.add_argument("--port", type=int, default=9450)
     ap.add_argument("--concurrency", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=64)

@@ -24,6 +24,8 @@ import time
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
+
 
 def linears_ab(rounds: int) -> dict:
     from pagemill.cpu_kernels.matvec import matvec_kernel

@@ -1,7 +1,7 @@
 """One layer's decode attention through the compiled CPU paged kernel, against the memory floor.
 
     OMP_NUM_THREADS=1 python benchmarks/decode_attention.py --baseline /tmp/base.so \
-        --json benchmarks/results/decode_attention.json
+        --json benchmarks/results/decode-attention/decode_attention.json
 
 The default model's shape (9 query heads, 3 kv heads, head_dim 64, --block-size
 64 as the shard's CPU default), bf16 queries over a bf16 pool (and --dtypes float32,fp8_e4m3,int8), for
@@ -32,6 +32,7 @@ import time
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.attention.kv_dtype import quantize, quantize_int8
 from pagemill.cpu_kernels.decode import DecodeKernels, decode_kernels
 from pagemill.models.huge_pages import huge_zeros

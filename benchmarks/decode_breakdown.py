@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
+
 CLOCKS = {"wall": time.perf_counter_ns, "cpu": time.process_time_ns}
 PARTS = ["proto", "inputs", "embed", "rotary", "layers", "norm", "head", "sample", "other"]
 

@@ -1,6 +1,6 @@
 """The compiled pieces of a batched bf16 decode step against the torch paths they replace.
 
-    python benchmarks/decode_kernels.py --batch 64 --rounds 15 --json decode_kernels.json
+    python benchmarks/decode_kernels.py --batch 64 --rounds 15 --json benchmarks/results/decode-kernels/decode_kernels_b64.json
 
 At 64 running sequences of the default model's shapes (9 query / 3 KV heads
 of 64, 576 hidden, 49152 vocabulary), one layer's worth of each:
@@ -31,6 +31,7 @@ import time
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
 from pagemill.cpu_kernels.decode import decode_kernels

@@ -22,6 +22,7 @@ import time
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.cpu_kernels.build import build_library
 from pagemill.cpu_kernels.gemm import GemmBf16Kernel, gemm_bf16_kernel, pack_bf16
 

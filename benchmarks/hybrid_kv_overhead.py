@@ -11,7 +11,7 @@ come from the shard's own pool sizing (KVPool.bytes_per_block). The same per-blo
 is then applied to the published Gemma 3 1B and Gemma 2 9B configurations (config only, no
 weights). Prints a table and writes JSON.
 
-    python benchmarks/hybrid_kv_overhead.py [--out benchmarks/results/hybrid-kv.json] [--port 9510]
+    python benchmarks/hybrid_kv_overhead.py [--out benchmarks/results/hybrid-kv-overhead/results.json] [--port 9510]
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "integration-tests"))
 from windowed_models import build  # noqa: E402
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.models.config import ModelConfig  # noqa: E402
 from pagemill.shard.kv_pool import KVPool  # noqa: E402
 
@@ -125,7 +126,7 @@ def published(name: str, layers: int, local: int, kv_heads: int, head_dim: int, 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default="benchmarks/results/hybrid-kv.json")
+    ap.add_argument("--out", default=_repo.results("hybrid-kv-overhead", "results.json"))
     ap.add_argument("--port", type=int, default=9510)
     ap.add_argument("--default-model", default=os.path.expanduser("~/.cache/pagemill/SmolLM2-135M-Instruct"))
     a = ap.parse_args()

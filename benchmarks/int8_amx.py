@@ -1,7 +1,7 @@
 """The int8 linear (--quantize int8) on AMX-INT8 tiles against the same kernel built without them
 (its AVX512-VNNI tiles), at the default model's shapes: decode row counts and a prefill.
 
-    python benchmarks/int8_amx.py --threads 2 --json benchmarks/results/amx-2026-12-05/int8.json
+    python benchmarks/int8_amx.py --threads 2 --json benchmarks/results/int8-amx/int8.json
 
 Both give the same bits (tests/test_int8_linear.py); this is their speed. bf16 rows in, as the
 model feeds them, activations quantized inside each call (included). Weights stay in cache
@@ -17,6 +17,7 @@ import time
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.cpu_kernels.build import build_library
 from pagemill.cpu_kernels.int8 import Int8LinearKernel, int8_kernel
 from pagemill.models.quantized_linear import QuantizedLinear

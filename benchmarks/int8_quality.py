@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.attention.metadata import make_metadata
 from pagemill.models.loader import load_model
 from pagemill.models.quantized_linear import quantize_model
@@ -95,7 +96,7 @@ def greedy(model, config, dtype, prompt: list[int]) -> list[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="HF model dir (default: SmolLM2-135M-Instruct, converted once)")
-    p.add_argument("--json", default="benchmarks/results/int8_quality.json")
+    p.add_argument("--json", default=_repo.results("int8-quality", "int8_quality.json"))
     a = p.parse_args()
     from pagemill.bench.cli import resolve_model_dir
     from tokenizers import Tokenizer

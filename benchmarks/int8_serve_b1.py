@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.bench.cli import resolve_model_dir
 from pagemill.bench.datasets import random_dataset
 from pagemill.bench.endpoints import ENDPOINTS, send
@@ -69,7 +70,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--port", type=int, default=3310)
-    p.add_argument("--json", default="benchmarks/results/int8_serve_b1.json")
+    p.add_argument("--json", default=_repo.results("int8-serve-b1", "int8_serve_b1.json"))
     a = p.parse_args()
     from tokenizers import Tokenizer
 

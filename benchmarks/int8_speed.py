@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
+
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # qkv, o, gate_up, down
 LAYERS, VOCAB, HIDDEN = 30, 49152, 576
 
@@ -162,7 +164,7 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--steps", type=int, default=15)
     p.add_argument("--rounds", type=int, default=9)
-    p.add_argument("--json", default=None, help="default: benchmarks/results/int8_speed.json (int8_fused_decode.json)")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/int8-speed/int8_speed.json (--fused-ab: int8_fused_decode.json)")
     p.add_argument("--fused-ab", action="store_true", help="int8 fused vs module path vs bf16 fused decode steps")
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     a = p.parse_args()
@@ -177,7 +179,7 @@ def main() -> None:
         for t, rows in res["decode_step_ms"].items():
             for b, row in rows.items():
                 print(f"| {t} | {b} | " + " | ".join(f"{v['median_ms']:.1f}" for v in row.values()) + " |")
-        _write(res, a.json or "benchmarks/results/int8_fused_decode.json")
+        _write(res, a.json or _repo.results("int8-speed", "int8_fused_decode.json"))
         return
     with torch.inference_mode():
         res["linears"] = {}
@@ -198,7 +200,7 @@ def main() -> None:
         res["int8_batch1_outside_linears_ms"] = step - lin
         print(f"\nbatch 1, int8: step {step:.1f} ms, its linears alone {lin:.1f} ms -> {step - lin:.1f} ms outside "
               "the linears (what a fused int8 layer would address)")  # fmt: skip
-    _write(res, a.json or "benchmarks/results/int8_speed.json")
+    _write(res, a.json or _repo.results("int8-speed", "int8_speed.json"))
 
 
 def _write(res: dict, path: str) -> None:

@@ -1,6 +1,6 @@
 """Decode attention time per KV cache dtype at long contexts: the compiled CPU paged kernel.
 
-    OMP_NUM_THREADS=1 python benchmarks/kv_attention_dtypes.py --json benchmarks/results/kv_attention_dtypes.json
+    OMP_NUM_THREADS=1 python benchmarks/kv_attention_dtypes.py --json benchmarks/results/kv-attention-dtypes/kv_attention_dtypes.json
 
 One layer's decode attention of the default model's shape (9 query heads, 3
 kv heads, head_dim 64, block size 16) for a batch of sequences of one context
@@ -21,6 +21,7 @@ import time
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.attention.kv_dtype import quantize, quantize_int8
 from pagemill.cpu_kernels.decode import decode_kernels
 

@@ -37,8 +37,7 @@ import time
 
 import httpx
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "server"))
-
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.bench.datasets import PromptMaker  # noqa: E402
 from pagemill.bench.serve import LaunchedServer  # noqa: E402
 from pagemill.bench.server_probe import info, scrape  # noqa: E402
@@ -319,7 +318,7 @@ def plot(res: dict, path: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="benchmarks/results/kv-cache")
+    p.add_argument("--out", default=_repo.results("kv-cache"))
     p.add_argument("--port", type=int, default=3917)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeats", type=int, default=3)

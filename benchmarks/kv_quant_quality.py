@@ -1,6 +1,6 @@
 """Quantized KV cache on the CPU against the full-precision cache: capacity and quality.
 
-    python benchmarks/kv_quant_quality.py --json kv_quant_quality.json
+    python benchmarks/kv_quant_quality.py --json benchmarks/results/kv-quant-quality/kv_quant_quality.json
 
 Launches `pagemill launch` on the default model once per --kv-cache-dtype
 (auto = the model dtype, bf16 here; fp8_e4m3; fp8_e5m2; int8), each with the same
@@ -33,6 +33,8 @@ import time
 from pathlib import Path
 
 import httpx
+
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 
 TEXT = Path(__file__).parent / "texts" / "public_domain_en.txt"
 

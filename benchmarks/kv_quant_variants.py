@@ -1,6 +1,6 @@
 """Why quantized KV moves greedy output: each storage rounding alone, in process, on the default model.
 
-    python benchmarks/kv_quant_variants.py --json benchmarks/results/kv_quant_variants.json
+    python benchmarks/kv_quant_variants.py --json benchmarks/results/kv-quant-variants/kv_quant_variants.json
 
 The model runs in float32 on the torch attention path (no compiled kernels,
 so nothing but the pool's contents differs). Keys and values are rounded as
@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from kv_quant_quality import compare, prompts  # noqa: E402
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.attention import torch_backend  # noqa: E402
 from pagemill.attention.kv_dtype import quantize_int8, widen  # noqa: E402
 from pagemill.attention.metadata import make_metadata  # noqa: E402

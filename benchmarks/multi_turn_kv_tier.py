@@ -8,7 +8,7 @@ Start the servers yourself (this script starts nothing), e.g. pagemill with and 
 the tier, and any peer (vLLM-CPU with prefix caching) on the same model, then:
 
     python benchmarks/multi_turn_kv_tier.py --target tier=http://127.0.0.1:9301 \\
-        --target no-tier=http://127.0.0.1:9302 --model SmolLM2-135M-Instruct --out results/multi-turn
+        --target no-tier=http://127.0.0.1:9302 --model SmolLM2-135M-Instruct --out benchmarks/results/multi-turn-kv-tier/run
 
 Per target: prompt tokens computed (pagemill's /metrics, or vLLM's prompt tokens less
 its prefix-cache hits; else "-"), TTFT p50/p99 (streamed /v1/completions, first chunk with text), output tokens/s
@@ -26,6 +26,8 @@ import statistics
 import time
 
 import httpx
+
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 
 QUESTION = "\nUser: In one sentence, what should the depot do about parcel {n} in aisle {a}?\nAssistant:"
 

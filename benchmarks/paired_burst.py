@@ -1,7 +1,7 @@
 """Two pagemill builds side by side on `bench compare`'s c=64 workload, bursts alternating.
 
     python benchmarks/paired_burst.py --a /path/to/tree-a --b /path/to/tree-b --rounds 8 \
-        --a-args "--no-schedule-ahead" --a-env GOMP_SPINCOUNT=20000 --json benchmarks/results/NAME/pairs.json
+        --a-args "--no-schedule-ahead" --a-env GOMP_SPINCOUNT=20000 --json benchmarks/results/paired-burst/pairs.json
 
 Why: one `bench compare` run of a server varies by +-5% on a shared 2-core machine, more
 than most single changes are worth. Here both servers (each `python -m pagemill launch`
@@ -24,6 +24,7 @@ import sys
 import types
 from contextlib import ExitStack
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.bench import peer_configs
 from pagemill.bench.compare import PeerServer
 from pagemill.bench.peer_configs import ServerConfig

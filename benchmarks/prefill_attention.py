@@ -1,6 +1,6 @@
 """Prefill attention on the CPU: the query-tiled kernel against the per-token path it replaces.
 
-    python benchmarks/prefill_attention.py --json benchmarks/results/prefill_attention.json
+    python benchmarks/prefill_attention.py --json benchmarks/results/prefill-attention/c64-step.json
     python benchmarks/prefill_attention.py --model --json ...   # + one prefill step of the default model
 
 Layer: one layer's attention over a step of prompts like the c=64 burst (--prompts
@@ -35,6 +35,7 @@ import time
 
 import torch
 
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.attention.metadata import make_metadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
 from pagemill.cpu_kernels.build import build_library

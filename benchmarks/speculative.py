@@ -20,11 +20,10 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "server"))
+import torch
+from tokenizers import Tokenizer
 
-import torch  # noqa: E402
-from tokenizers import Tokenizer  # noqa: E402
-
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 from pagemill.models.default_model import resolve_model  # noqa: E402
 from pagemill.models.loader import load_model  # noqa: E402
 from pagemill.proto import pb  # noqa: E402
@@ -95,7 +94,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch default); 1 on a shared box")
-    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--out", default=_repo.results("speculative"))
     a = ap.parse_args()
     if a.threads > 0:
         torch.set_num_threads(a.threads)
@@ -128,7 +127,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     meta = {"model": Path(model_dir).name, "device": a.device, "dtype": a.dtype, "speculate": a.speculate,
             "max_new_tokens": a.max_new_tokens, "torch_threads": torch.get_num_threads(), "results": rows}
-    (out / f"speculative_{a.device}.json").write_text(json.dumps(meta, indent=2) + "\n")
+    (out / f"speculative_{a.device}.json" if a.device != "cpu" else out / "speculative.json").write_text(json.dumps(meta, indent=2) + "\n")
     try:
         import matplotlib
 
@@ -145,7 +144,7 @@ def main() -> None:
     ax.set_title(f"{meta['model']} on {a.device}: copy-heavy summaries", fontsize=9)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out / f"speculative_{a.device}.png", dpi=120)
+    fig.savefig(out / (f"speculative_{a.device}.png" if a.device != "cpu" else "speculative.png"), dpi=120)
 
 
 if __name__ == "__main__":

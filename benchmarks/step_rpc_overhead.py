@@ -1,7 +1,7 @@
 """What one Step RPC costs around the model: gRPC both ways and the shard's service code.
 
     python benchmarks/step_rpc_overhead.py --rounds 3 --calls 2000 --batch 1 \
-        --json benchmarks/results/decode-breakdown/step-rpc.json
+        --json benchmarks/results/step-rpc-overhead/step-rpc-b1.json
 
 Serves the real ShardService (grpc.aio over a unix socket, shard/main.py's
 serve_runner) in a child process with a runner that does no work (each
@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+import _repo  # noqa: E402,F401  (the repository from this file's path)
 
 MODES = ["inline", "model-thread"]
 

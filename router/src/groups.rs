@@ -1,18 +1,19 @@
 //! Starting the data-parallel shard groups: connect to each group's ranks,
 //! check they serve one model, warm each up (each group gets its own pool),
-//! and start one batching loop per group behind one placement layer.
+//! and start one batching loop per group behind one routing layer.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::mpsc;
 
+use crate::batching::BatchingLoop;
 use crate::client::{ShardAddr, ShardAuth, ShardedClient};
 use crate::kv::KvManager;
-use crate::placement::{GroupHandle, Placer, Routing};
 use crate::proto::pb;
-use crate::scheduler::{Scheduler, SchedulerConfig};
-use crate::state::RouterState;
+use crate::routing::{GroupHandle, Placer, Routing};
+use crate::scheduler::SchedulerConfig;
+use crate::shared_state::RouterState;
 
 pub struct Group {
     pub client: ShardedClient,
@@ -75,7 +76,7 @@ pub fn start(
         .into_iter()
         .enumerate()
         .map(|(i, rx)| {
-            let s = Scheduler::new(groups[i].client.clone(), config, rx, placer.clone(), i, state.clone(), *warmup);
+            let s = BatchingLoop::new(groups[i].client.clone(), config, rx, placer.clone(), i, state.clone(), *warmup);
             tokio::spawn(s.run())
         })
         .collect();

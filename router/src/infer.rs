@@ -12,12 +12,13 @@ use rand::Rng;
 use tokio::sync::{mpsc, watch, OwnedSemaphorePermit, Semaphore};
 
 use crate::error::RouterError;
-use crate::http::types::{GenerateParameters, PrefillToken, Token};
-use crate::placement::Placer;
 use crate::queue::{Entry, ResponseRx};
-use crate::state::RouterState;
+use crate::request::{GenerateParameters, ValidRequest};
+use crate::response::{PrefillToken, Token};
+use crate::routing::Placer;
+use crate::shared_state::RouterState;
 use crate::stream::{GeneratedText, InferStreamResponse, TextContext, TextStream};
-use crate::validation::{ValidRequest, Validation};
+use crate::validation::Validation;
 
 #[derive(Clone)]
 pub struct Infer {
@@ -189,6 +190,20 @@ pub fn fork_seed(seed: u64, i: u32) -> u64 {
     z ^ (z >> 31)
 }
 
+/// The `i`-th of `n` sequences of a request: its own seed when there are several.
+fn fork(request: &ValidRequest, n: u32, i: u32) -> ValidRequest {
+    let mut request = request.clone();
+    if n > 1 {
+        if let Some(seed) = request.seed {
+            let s = fork_seed(seed, i);
+            request.seed = Some(s);
+            request.parameters.seed = s;
+            request.parameters.has_seed = true;
+        }
+    }
+    request
+}
+
 impl Infer {
     pub fn new(
         validation: Validation,
@@ -267,37 +282,9 @@ impl Infer {
         name: &str,
     ) -> Result<Vec<StreamHandle>, RouterError> {
         let start = Instant::now();
-        self.refuse_if_draining()?;
-        // Fail fast past the limit rather than queue without bound.
-        let permit = self.limit.clone().try_acquire_owned().map_err(|_| {
-            RouterError::Overloaded(format!("more than {} concurrent requests", self.max_concurrent_requests))
-        })?;
-        // Checked again after taking the permit: `drain` waits for every
-        // permit taken before `draining` was set, and every later one sees it.
-        self.refuse_if_draining()?;
-        let permit = Arc::new(permit);
-        self.validation.check_fanout(name, n)?;
-        let mut request =
-            self.validation.validate(input.inputs, input.input_ids, input.parameters, input.add_special_tokens).await?;
-        if let Err(e) = self.validation.check_fits_pool(&request, n) {
-            RouterState::add(&self.state.requests_too_large_total, 1);
-            return Err(e);
-        }
-        if n > 1 && !request.parameters.do_sample {
-            // Greedy sequences would all be the same (TGI and vLLM reject this too).
-            return Err(RouterError::Validation(format!(
-                "`{name}` > 1 requires sampling: set a temperature > 0 (or `do_sample`)"
-            )));
-        }
-        // Every sampled sequence gets a seed, so that it is reported and a
-        // recomputed (preempted) sequence draws the same tokens again.
-        if request.parameters.do_sample && request.seed.is_none() {
-            request.seed = Some(rand::rng().random());
-        }
-        if let Some(seed) = request.seed {
-            request.parameters.seed = seed;
-            request.parameters.has_seed = true;
-        }
+        let permit = Arc::new(self.permit()?);
+        let text_options = input.parameters.extras.text;
+        let request = self.valid_request(input, n, name).await?;
         let first_id = self.next_id.fetch_add(n as u64, Ordering::Relaxed);
         let group = (n > 1).then_some(first_id);
         let queued_at = Instant::now();
@@ -305,26 +292,11 @@ impl Infer {
         let mut handles = Vec::with_capacity(n as usize);
         let mut entries = Vec::with_capacity(n as usize);
         for i in 0..n {
-            let mut request = request.clone();
-            if n > 1 {
-                if let Some(seed) = request.seed {
-                    let s = fork_seed(seed, i);
-                    request.seed = Some(s);
-                    request.parameters.seed = s;
-                    request.parameters.has_seed = true;
-                }
-            }
+            let request = fork(&request, n, i);
             let (tx, rx) = mpsc::unbounded_channel();
-            let entry = Entry {
-                id: first_id + i as u64,
-                request: request.clone(),
-                response_tx: tx,
-                queued_at,
-                queue_deadline,
-                group,
-            };
-            entries.push(entry);
-            let text = TextStream::new(self.text.clone(), &request, queued_at);
+            let id = first_id + i as u64;
+            entries.push(Entry { id, request: request.clone(), response_tx: tx, queued_at, queue_deadline, group });
+            let text = TextStream::new(self.text.clone(), &request, text_options, queued_at);
             handles.push(StreamHandle {
                 permit: permit.clone(),
                 request,
@@ -344,6 +316,46 @@ impl Infer {
         RouterState::add(&self.state.metrics.prompt_tokens_total, input_len);
         self.state.metrics.request_input_tokens.observe(input_len as f64);
         Ok(handles)
+    }
+
+    /// A concurrency permit, or why the request is refused (over the limit, draining).
+    fn permit(&self) -> Result<OwnedSemaphorePermit, RouterError> {
+        self.refuse_if_draining()?;
+        // Fail fast past the limit rather than queue without bound.
+        let permit = self.limit.clone().try_acquire_owned().map_err(|_| {
+            RouterError::Overloaded(format!("more than {} concurrent requests", self.max_concurrent_requests))
+        })?;
+        // Checked again after taking the permit: `drain` waits for every
+        // permit taken before `draining` was set, and every later one sees it.
+        self.refuse_if_draining()?;
+        Ok(permit)
+    }
+
+    /// The validated request of `n` sequences, with the seed every sampled
+    /// sequence gets (so that it is reported and a recomputed, preempted
+    /// sequence draws the same tokens again).
+    async fn valid_request(&self, input: GenerateInput, n: u32, name: &str) -> Result<ValidRequest, RouterError> {
+        self.validation.check_fanout(name, n)?;
+        let mut request =
+            self.validation.validate(input.inputs, input.input_ids, input.parameters, input.add_special_tokens).await?;
+        if let Err(e) = self.validation.check_fits_pool(&request, n) {
+            RouterState::add(&self.state.requests_too_large_total, 1);
+            return Err(e);
+        }
+        if n > 1 && !request.parameters.do_sample {
+            // Greedy sequences would all be the same (TGI and vLLM reject this too).
+            return Err(RouterError::Validation(format!(
+                "`{name}` > 1 requires sampling: set a temperature > 0 (or `do_sample`)"
+            )));
+        }
+        if request.parameters.do_sample && request.seed.is_none() {
+            request.seed = Some(rand::rng().random());
+        }
+        if let Some(seed) = request.seed {
+            request.parameters.seed = seed;
+            request.parameters.has_seed = true;
+        }
+        Ok(request)
     }
 
     pub async fn generate(&self, input: GenerateInput) -> Result<InferResponse, RouterError> {

@@ -8,12 +8,12 @@ use tokio::sync::mpsc;
 
 use crate::error::RouterError;
 use crate::proto::pb;
-use crate::validation::ValidRequest;
+use crate::request::ValidRequest;
 
 pub type ResponseTx = mpsc::UnboundedSender<Result<SeqEvent, RouterError>>;
 pub type ResponseRx = mpsc::UnboundedReceiver<Result<SeqEvent, RouterError>>;
 
-/// Why the shard (or the router's length guard) ended a sequence.
+/// Why the shard ended a sequence (stop strings end it on the stream's side).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Finish {
     Length,

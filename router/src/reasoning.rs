@@ -9,7 +9,7 @@
 
 use serde::Serialize;
 
-use crate::tools::stream::held_prefix;
+use crate::tools::markers::held_prefix;
 
 pub const OPEN: &str = "<think>";
 pub const CLOSE: &str = "</think>";

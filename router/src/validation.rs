@@ -1,14 +1,16 @@
 //! Turns an HTTP request into a `ValidRequest`: parameters checked, prompt
 //! tokenized and measured against the token limits. Every rejection is a 422.
+//! TGI's rule that any sampling knob implies sampling is applied here, the
+//! one place: the shard samples exactly when `do_sample` says so.
 
 use std::sync::Arc;
 
 use tokenizers::Tokenizer;
 
 use crate::error::RouterError;
-use crate::http::types::GenerateParameters;
+use crate::kv::{lifetime_blocks, too_large};
 use crate::proto::pb;
-use crate::scheduler::too_large::{lifetime_blocks, too_large};
+use crate::request::{GenerateParameters, ValidRequest};
 
 #[derive(Debug, Clone)]
 pub struct Limits {
@@ -34,29 +36,6 @@ pub const MAX_TOKEN_ID_LIST: usize = 300;
 /// `logit_bias` values are in [-BIAS_RANGE, BIAS_RANGE], as OpenAI's.
 pub const BIAS_RANGE: f32 = 100.0;
 
-#[derive(Debug, Clone)]
-pub struct ValidRequest {
-    pub inputs: String,
-    pub input_ids: Vec<u32>,
-    pub parameters: pb::NextTokenChooserParameters,
-    pub max_new_tokens: u32,
-    pub ignore_eos: bool,
-    /// EOS and `stop_token_ids` are held back until this many tokens are out.
-    pub min_new_tokens: u32,
-    pub stop_token_ids: Vec<u32>,
-    pub stop_sequences: Vec<String>,
-    pub top_n_tokens: u32,
-    pub decoder_input_details: bool,
-    pub seed: Option<u64>,
-    /// Constrained decoding, checked here (schema is an object, regex compiles).
-    pub grammar: Option<pb::Grammar>,
-    /// Scheduling priority: lower values are admitted first and preempted
-    /// last (as vLLM's); 0 by default.
-    pub priority: i32,
-    /// Who sent it (`user`), for the per-tenant cap; None: not capped.
-    pub tenant: Option<String>,
-}
-
 #[derive(Clone)]
 pub struct Validation {
     tokenizer: Arc<Tokenizer>,
@@ -71,6 +50,28 @@ fn check_float(name: &str, v: Option<f32>, ok: impl Fn(f32) -> bool, rule: &str)
     match v {
         Some(x) if !x.is_finite() || !ok(x) => Err(invalid(format!("`{name}` must be {rule}, got {x}"))),
         _ => Ok(()),
+    }
+}
+
+/// The request's grammar for the shard: TGI's `grammar` / `response_format`,
+/// or the Lark grammar the router built for forced tool calls, not both.
+fn check_grammar(p: &GenerateParameters) -> Result<Option<pb::Grammar>, RouterError> {
+    match (&p.grammar, &p.extras.lark) {
+        (Some(_), Some(_)) => Err(invalid("`response_format` cannot be combined with a forced `tool_choice`")),
+        (_, Some(lark)) => Ok(Some(pb::Grammar { r#type: pb::GrammarType::Lark as i32, value: lark.clone() })),
+        (g, None) => g.as_ref().map(crate::grammar::validate).transpose(),
+    }
+}
+
+/// `min_tokens`: at most `max_new_tokens`.
+fn check_min_new_tokens(p: &GenerateParameters, max_new_tokens: u32) -> Result<u32, RouterError> {
+    match p.extras.min_new_tokens {
+        None => Ok(0),
+        Some(m) if m < 0 => Err(invalid(format!("`min_tokens` must be >= 0, got {m}"))),
+        Some(m) if m > max_new_tokens as i64 => {
+            Err(invalid(format!("`min_tokens` ({m}) must be <= `max_tokens` ({max_new_tokens})")))
+        }
+        Some(m) => Ok(m as u32),
     }
 }
 
@@ -114,94 +115,12 @@ impl Validation {
         let mut params = self.check_parameters(&p)?;
         params.logit_bias = self.check_logit_bias(&p.extras.logit_bias)?;
         let stop_token_ids = self.check_token_ids("stop_token_ids", &p.extras.stop_token_ids)?;
-        let grammar = match (&p.grammar, &p.extras.lark) {
-            (Some(_), Some(_)) => {
-                return Err(invalid("`response_format` cannot be combined with a forced `tool_choice`"))
-            }
-            (_, Some(lark)) => Some(pb::Grammar { r#type: pb::GrammarType::Lark as i32, value: lark.clone() }),
-            (g, None) => g.as_ref().map(crate::grammar::validate).transpose()?,
-        };
-        let mut input_ids = match ids {
-            Some(ids) => {
-                if ids.is_empty() {
-                    return Err(invalid("`prompt` must not be an empty list of token ids"));
-                }
-                if let Some(&bad) = ids.iter().find(|&&t| t >= self.limits.vocab_size) {
-                    return Err(invalid(format!(
-                        "`prompt` token id {bad} is out of the vocabulary (size {})",
-                        self.limits.vocab_size
-                    )));
-                }
-                ids
-            }
-            None => {
-                if inputs.is_empty() {
-                    return Err(invalid("`inputs` must not be empty"));
-                }
-                self.tokenize(inputs.clone(), add_special_tokens).await?
-            }
-        };
-        if input_ids.is_empty() {
-            return Err(invalid("`inputs` tokenized to zero tokens"));
-        }
-        if let Some(t) = p.truncate {
-            if t <= 0 {
-                return Err(invalid(format!("`truncate` must be strictly positive, got {t}")));
-            }
-            let t = t as usize;
-            if input_ids.len() > t {
-                // Keep the end of the prompt, as TGI does: it is what the model continues.
-                input_ids.drain(..input_ids.len() - t);
-            }
-        }
-        let input_len = input_ids.len() as u32;
-        let limits = &self.limits;
-        if input_len > limits.max_input_tokens {
-            return Err(invalid(format!(
-                "`inputs` must have less than {} tokens. Given: {input_len}",
-                limits.max_input_tokens + 1
-            )));
-        }
-        let max_new_tokens = match p.max_new_tokens {
-            Some(n) if n <= 0 => return Err(invalid(format!("`max_new_tokens` must be strictly positive, got {n}"))),
-            Some(n) if n > u32::MAX as i64 => return Err(invalid(format!("`max_new_tokens` is too large: {n}"))),
-            Some(n) => n as u32,
-            None => limits.default_max_new_tokens.min(limits.max_total_tokens - input_len),
-        };
-        if input_len as u64 + max_new_tokens as u64 > limits.max_total_tokens as u64 {
-            return Err(invalid(format!(
-                "`inputs` tokens + `max_new_tokens` must be <= {}. Given: {input_len} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
-                limits.max_total_tokens
-            )));
-        }
-        let top_n_tokens = match p.top_n_tokens {
-            Some(n) if n < 0 || n > limits.max_top_n_tokens as i64 => {
-                return Err(invalid(format!(
-                    "`top_n_tokens` must be >= 0 and <= {}. Given: {n}",
-                    limits.max_top_n_tokens
-                )))
-            }
-            Some(n) => n as u32,
-            None => 0,
-        };
-        if p.stop.len() > limits.max_stop_sequences as usize {
-            return Err(invalid(format!(
-                "`stop` supports up to {} stop sequences. Given: {}",
-                limits.max_stop_sequences,
-                p.stop.len()
-            )));
-        }
-        if p.stop.iter().any(|s| s.is_empty()) {
-            return Err(invalid("`stop` sequences must not be empty"));
-        }
-        let min_new_tokens = match p.extras.min_new_tokens {
-            None => 0,
-            Some(m) if m < 0 => return Err(invalid(format!("`min_tokens` must be >= 0, got {m}"))),
-            Some(m) if m > max_new_tokens as i64 => {
-                return Err(invalid(format!("`min_tokens` ({m}) must be <= `max_tokens` ({max_new_tokens})")))
-            }
-            Some(m) => m as u32,
-        };
+        let grammar = check_grammar(&p)?;
+        let input_ids = self.prompt_ids(&inputs, ids, add_special_tokens, p.truncate).await?;
+        let max_new_tokens = self.max_new_tokens(&p, input_ids.len() as u32)?;
+        let top_n_tokens = self.top_n_tokens(&p)?;
+        self.check_stop_sequences(&p.stop)?;
+        let min_new_tokens = check_min_new_tokens(&p, max_new_tokens)?;
         // A finished grammar allows only EOS; holding EOS back would leave no token at all.
         if grammar.is_some() && (min_new_tokens > 0 || !stop_token_ids.is_empty()) {
             return Err(invalid("`min_tokens` and `stop_token_ids` cannot be combined with `response_format`"));
@@ -227,6 +146,100 @@ impl Validation {
             priority,
             tenant: p.user.filter(|u| !u.is_empty()),
         })
+    }
+
+    /// The prompt's token ids (given, or tokenized from `inputs`), kept to
+    /// its last `truncate` tokens, within `max_input_tokens`.
+    async fn prompt_ids(
+        &self,
+        inputs: &str,
+        ids: Option<Vec<u32>>,
+        add_special_tokens: bool,
+        truncate: Option<i64>,
+    ) -> Result<Vec<u32>, RouterError> {
+        let mut input_ids = match ids {
+            Some(ids) => {
+                if ids.is_empty() {
+                    return Err(invalid("`prompt` must not be an empty list of token ids"));
+                }
+                if let Some(&bad) = ids.iter().find(|&&t| t >= self.limits.vocab_size) {
+                    return Err(invalid(format!(
+                        "`prompt` token id {bad} is out of the vocabulary (size {})",
+                        self.limits.vocab_size
+                    )));
+                }
+                ids
+            }
+            None => {
+                if inputs.is_empty() {
+                    return Err(invalid("`inputs` must not be empty"));
+                }
+                self.tokenize(inputs.to_string(), add_special_tokens).await?
+            }
+        };
+        if input_ids.is_empty() {
+            return Err(invalid("`inputs` tokenized to zero tokens"));
+        }
+        if let Some(t) = truncate {
+            if t <= 0 {
+                return Err(invalid(format!("`truncate` must be strictly positive, got {t}")));
+            }
+            let t = t as usize;
+            if input_ids.len() > t {
+                // Keep the end of the prompt, as TGI does: it is what the model continues.
+                input_ids.drain(..input_ids.len() - t);
+            }
+        }
+        let input_len = input_ids.len() as u32;
+        if input_len > self.limits.max_input_tokens {
+            return Err(invalid(format!(
+                "`inputs` must have less than {} tokens. Given: {input_len}",
+                self.limits.max_input_tokens + 1
+            )));
+        }
+        Ok(input_ids)
+    }
+
+    /// `max_new_tokens` (the default where unset), prompt plus it within `max_total_tokens`.
+    fn max_new_tokens(&self, p: &GenerateParameters, input_len: u32) -> Result<u32, RouterError> {
+        let limits = &self.limits;
+        let max_new_tokens = match p.max_new_tokens {
+            Some(n) if n <= 0 => return Err(invalid(format!("`max_new_tokens` must be strictly positive, got {n}"))),
+            Some(n) if n > u32::MAX as i64 => return Err(invalid(format!("`max_new_tokens` is too large: {n}"))),
+            Some(n) => n as u32,
+            None => limits.default_max_new_tokens.min(limits.max_total_tokens - input_len),
+        };
+        if input_len as u64 + max_new_tokens as u64 > limits.max_total_tokens as u64 {
+            return Err(invalid(format!(
+                "`inputs` tokens + `max_new_tokens` must be <= {}. Given: {input_len} `inputs` tokens and {max_new_tokens} `max_new_tokens`",
+                limits.max_total_tokens
+            )));
+        }
+        Ok(max_new_tokens)
+    }
+
+    fn top_n_tokens(&self, p: &GenerateParameters) -> Result<u32, RouterError> {
+        match p.top_n_tokens {
+            Some(n) if n < 0 || n > self.limits.max_top_n_tokens as i64 => {
+                Err(invalid(format!("`top_n_tokens` must be >= 0 and <= {}. Given: {n}", self.limits.max_top_n_tokens)))
+            }
+            Some(n) => Ok(n as u32),
+            None => Ok(0),
+        }
+    }
+
+    fn check_stop_sequences(&self, stop: &[String]) -> Result<(), RouterError> {
+        if stop.len() > self.limits.max_stop_sequences as usize {
+            return Err(invalid(format!(
+                "`stop` supports up to {} stop sequences. Given: {}",
+                self.limits.max_stop_sequences,
+                stop.len()
+            )));
+        }
+        if stop.iter().any(|s| s.is_empty()) {
+            return Err(invalid("`stop` sequences must not be empty"));
+        }
+        Ok(())
     }
 
     fn check_token_ids(&self, name: &str, ids: &[i64]) -> Result<Vec<u32>, RouterError> {
@@ -340,7 +353,7 @@ mod tests {
     use std::str::FromStr;
 
     use super::*;
-    use crate::http::types::SamplingExtras;
+    use crate::request::SamplingExtras;
 
     /// A word-level tokenizer over "a b c" and a model vocabulary of 10 ids.
     fn validation() -> Validation {
@@ -408,6 +421,30 @@ mod tests {
         let mut p = min(2);
         p.grammar = Some(crate::grammar::GrammarParam::Json(serde_json::json!({})));
         assert!(check(None, p).await.is_err());
+    }
+
+    /// The one place sampling is decided: the shard draws exactly when `do_sample` is set.
+    #[tokio::test]
+    async fn any_sampling_knob_implies_sampling() {
+        let sampled = |p: GenerateParameters| async move { check(None, p).await.unwrap().parameters.do_sample };
+        let base = || with(Default::default());
+        assert!(!sampled(base()).await);
+        for off in [
+            GenerateParameters { temperature: Some(1.0), top_p: Some(1.0), typical_p: Some(1.0), ..base() },
+            GenerateParameters { min_p: Some(0.0), repetition_penalty: Some(1.3), ..base() },
+        ] {
+            assert!(!sampled(off).await);
+        }
+        for on in [
+            GenerateParameters { do_sample: true, ..base() },
+            GenerateParameters { temperature: Some(0.7), ..base() },
+            GenerateParameters { top_k: Some(5), ..base() },
+            GenerateParameters { top_p: Some(0.9), ..base() },
+            GenerateParameters { typical_p: Some(0.9), ..base() },
+            GenerateParameters { min_p: Some(0.1), ..base() },
+        ] {
+            assert!(sampled(on).await);
+        }
     }
 
     #[tokio::test]

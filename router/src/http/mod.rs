@@ -1,18 +1,24 @@
-//! HTTP surface: routes, body extraction, auth, SSE, OpenAPI.
+//! HTTP surface: one directory per API (tgi/, openai/, responses/,
+//! anthropic/), the chat pipeline the chat-shaped APIs share (chat/), SSE
+//! framing (sse.rs), body extraction, auth, OpenAPI, and what routers in
+//! front of many servers read (vLLM's render routes in openai/, SGLang's
+//! info routes); `router` wires the routes.
 
 pub mod anthropic;
+mod app_state;
 mod auth;
+pub mod chat;
 mod docs;
 mod extract;
 mod headers;
 pub mod openai;
 mod ops;
+pub mod response_meta;
 pub mod responses;
+mod sglang_info;
+pub mod sse;
 mod tenant;
 pub mod tgi;
-pub mod types;
-
-use std::sync::Arc;
 
 use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::{self, Next};
@@ -20,68 +26,16 @@ use axum::response::Response;
 use axum::routing::{get, post};
 use axum::Router;
 
-use crate::chat_template::LoadedTemplate;
-use crate::client::ShardedClient;
 use crate::error::RouterError;
-use crate::infer::Infer;
-use crate::state::RouterState;
-
-/// Static facts for `/info`, fixed at startup. Field names follow TGI's
-/// `/info` so TGI clients and dashboards read them.
-#[derive(Debug, Clone, Default, serde::Serialize, utoipa::ToSchema)]
-pub struct ServerInfo {
-    pub model_id: String,
-    pub model_sha: Option<String>,
-    pub model_pipeline_tag: String,
-    pub model_dtype: String,
-    pub model_device_type: String,
-    pub attention_backend: String,
-    /// "native" (pagemill's model code) or "transformers" (transformers' modeling code over the paged pool).
-    pub model_impl: String,
-    pub num_shards: u32,
-    pub max_input_tokens: u32,
-    pub max_total_tokens: u32,
-    pub max_batch_prefill_tokens: u32,
-    pub max_batch_total_tokens: u64,
-    pub max_batch_size: u32,
-    pub max_concurrent_requests: u32,
-    pub max_best_of: u32,
-    pub max_stop_sequences: u32,
-    pub max_top_n_tokens: u32,
-    pub max_client_batch_size: u32,
-    pub validation_workers: u32,
-    pub block_size: u32,
-    /// Whether generation routes need `Authorization: Bearer <key>`.
-    pub api_key_required: bool,
-    pub has_chat_template: bool,
-    pub version: String,
-    pub sha: Option<String>,
-    pub docker_label: Option<String>,
-    pub router: String,
-}
-
-#[derive(Clone)]
-pub struct AppState {
-    pub infer: Infer,
-    pub info: Arc<ServerInfo>,
-    pub state: Arc<RouterState>,
-    /// One client per data-parallel shard group, in group order.
-    pub clients: Arc<Vec<ShardedClient>>,
-    pub chat_template: Arc<LoadedTemplate>,
-    pub api_key: Option<Arc<str>>,
-    /// How tool calls are written and parsed (--tool-call-parser, or inferred from the template).
-    pub tool_format: crate::tools::ToolCallParser,
-    /// --reasoning-parser
-    pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
-    /// For `/v1/models`' `created`.
-    pub started_unix: u64,
-}
+pub use app_state::{AppState, ServerInfo};
 
 pub fn router(app: AppState, payload_limit: usize) -> Router {
     // Everything that generates (or reveals the model's tokens) sits behind --api-key.
     let openai = Router::new()
         .route("/v1/completions", post(openai::completions::completions))
         .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/v1/completions/render", post(openai::render::render_completion))
+        .route("/v1/chat/completions/render", post(openai::render::render_chat))
         .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(openai::models))
         .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key))
@@ -103,6 +57,10 @@ pub fn router(app: AppState, payload_limit: usize) -> Router {
         .route("/health", get(ops::health))
         .route("/info", get(ops::info))
         .route("/metrics", get(ops::metrics))
+        .route("/server_info", get(sglang_info::server_info))
+        .route("/get_server_info", get(sglang_info::server_info))
+        .route("/model_info", get(sglang_info::model_info))
+        .route("/get_model_info", get(sglang_info::model_info))
         .route("/openapi.json", get(docs::openapi_json));
     protected
         .merge(open)

@@ -11,7 +11,7 @@ use serde_json::json;
 
 use super::{AppState, ServerInfo};
 use crate::error::{ErrorBody, RouterError};
-use crate::state::RouterState;
+use crate::shared_state::RouterState;
 
 /// 200 `{"status": "ok"}` when the batching loops run and every shard
 /// group serves; 200 `{"status": "degraded", "groups": [...]}` while some
@@ -95,7 +95,7 @@ pub async fn info(State(app): State<AppState>) -> Json<serde_json::Value> {
     Json(v)
 }
 
-fn group_info(i: usize, g: &crate::state::GroupStats) -> serde_json::Value {
+fn group_info(i: usize, g: &crate::shared_state::GroupStats) -> serde_json::Value {
     let get = RouterState::get;
     json!({
         "group": i,
@@ -114,11 +114,19 @@ fn group_info(i: usize, g: &crate::state::GroupStats) -> serde_json::Value {
     })
 }
 
-/// Prometheus text format, `pagemill_*` names.
+/// Prometheus text format: `pagemill_*` names, and the vLLM and SGLang names gateways read.
 #[utoipa::path(get, path = "/metrics", tag = "Ops",
     responses((status = 200, description = "Prometheus metrics", body = String, content_type = "text/plain")))]
 pub async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&app.state))
+    let info = &app.info;
+    let facts = crate::metrics::EngineFacts {
+        model_name: info.model_id.clone(),
+        block_size: info.block_size,
+        num_gpu_blocks: info.kv_blocks,
+        cache_dtype: info.kv_cache_dtype.clone(),
+        prefix_caching: info.prefix_caching,
+    };
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&app.state, &facts))
 }
 
 #[cfg(test)]
@@ -151,8 +159,7 @@ mod tests {
             speculate: 0,
         };
         let (queue_tx, _) = tokio::sync::mpsc::unbounded_channel();
-        let placer =
-            Arc::new(crate::placement::Placer::single(queue_tx, crate::kv::KvManager::new(16, 4, true), &state));
+        let placer = Arc::new(crate::routing::Placer::single(queue_tx, crate::kv::KvManager::new(16, 4, true), &state));
         let infer = Infer::new(
             Validation::new(tokenizer.clone(), limits),
             placer,

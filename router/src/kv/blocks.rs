@@ -1,9 +1,9 @@
 //! `KvBlocks`: one sequence's block table, holding a reference on each of
-//! its blocks in the `KvManager` until it is dropped.
+//! its blocks in the KV pool until it is dropped.
 
-use std::sync::PoisonError;
+use std::sync::{Arc, Mutex, PoisonError};
 
-use super::manager::KvManager;
+use super::pool::Pool;
 
 /// One sequence's block table, in order. Dropping it releases every block,
 /// so any path that ends a sequence (finish, stop, disconnect, preemption,
@@ -11,15 +11,16 @@ use super::manager::KvManager;
 #[derive(Debug)]
 pub struct KvBlocks {
     pub(super) ids: Vec<u32>,
-    manager: KvManager,
+    pool: Arc<Mutex<Pool>>,
+    block_size: u32,
     /// Leading blocks given back behind a sliding window (release_behind): their
     /// ids stay in `ids`, as in the shard's copy of the table, but are no longer held.
     pub(super) dropped: u32,
 }
 
 impl KvBlocks {
-    pub(super) fn new(ids: Vec<u32>, manager: KvManager) -> Self {
-        KvBlocks { ids, manager, dropped: 0 }
+    pub(super) fn new(ids: Vec<u32>, pool: Arc<Mutex<Pool>>, block_size: u32) -> Self {
+        KvBlocks { ids, pool, block_size, dropped: 0 }
     }
 
     pub fn ids(&self) -> &[u32] {
@@ -35,7 +36,7 @@ impl KvBlocks {
     }
 
     pub fn capacity_tokens(&self) -> u32 {
-        self.len() * self.manager.block_size
+        self.len() * self.block_size
     }
 
     /// Gives back the blocks before block `n` (those no query will read again,
@@ -47,7 +48,7 @@ impl KvBlocks {
         if n <= self.dropped {
             return 0;
         }
-        let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut g = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
         for &id in &self.ids[self.dropped as usize..n as usize] {
             g.release(id);
         }
@@ -61,21 +62,21 @@ impl KvBlocks {
     pub fn share_prefix(&self, n: u32) -> KvBlocks {
         let n = if self.dropped > 0 { 0 } else { n };
         let ids: Vec<u32> = self.ids[..n as usize].to_vec();
-        let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut g = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
         for &id in &ids {
             g.retain(id);
         }
-        KvBlocks::new(ids, self.manager.clone())
+        KvBlocks::new(ids, self.pool.clone(), self.block_size)
     }
 
     /// Grows the table to hold `tokens` tokens. False, with the table
     /// unchanged, when the pool cannot supply the blocks.
     pub fn ensure_capacity(&mut self, tokens: u32) -> bool {
-        let needed = self.manager.blocks_for(tokens);
+        let needed = tokens.div_ceil(self.block_size);
         if needed <= self.len() {
             return true;
         }
-        match self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner).allocate(needed - self.len()) {
+        match self.pool.lock().unwrap_or_else(PoisonError::into_inner).allocate(needed - self.len()) {
             Some(more) => {
                 self.ids.extend(more);
                 true
@@ -86,7 +87,7 @@ impl KvBlocks {
 
     /// Flat slot of token position `pos` (block * block_size + offset).
     pub fn slot(&self, pos: u32) -> u64 {
-        let bs = self.manager.block_size;
+        let bs = self.block_size;
         self.ids[(pos / bs) as usize] as u64 * bs as u64 + (pos % bs) as u64
     }
 
@@ -97,7 +98,7 @@ impl KvBlocks {
 
 impl Drop for KvBlocks {
     fn drop(&mut self) {
-        let mut g = self.manager.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut g = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
         for &id in &self.ids[self.dropped as usize..] {
             g.release(id);
         }

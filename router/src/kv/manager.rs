@@ -1,56 +1,15 @@
 //! The router's KV cache: the refcounted allocator and the radix prefix
-//! cache behind one lock; a sequence's share of it is a `KvBlocks`
+//! cache behind one lock (pool.rs); a sequence's share of it is a `KvBlocks`
 //! (blocks.rs), which releases its references on Drop.
 
 use std::sync::{Arc, Mutex, PoisonError};
 
 use super::block_allocator::BlockAllocator;
 use super::blocks::KvBlocks;
+use super::pool::Pool;
 use super::radix::RadixCache;
-use super::second_tier::{SecondTier, TierConfig, TierOps, TierStats};
-
-#[derive(Debug)]
-pub(super) struct Inner {
-    alloc: BlockAllocator,
-    radix: RadixCache,
-    prefix_caching: bool,
-    tier: Option<SecondTier>,
-}
-
-impl Inner {
-    pub(super) fn retain(&mut self, id: u32) {
-        if self.alloc.retain(id) == 2 && self.radix.contains(id) {
-            self.radix.set_unused(id, false);
-        }
-    }
-
-    pub(super) fn release(&mut self, id: u32) {
-        if self.alloc.release(id) == 1 && self.radix.contains(id) {
-            self.radix.set_unused(id, true);
-        }
-    }
-
-    pub(super) fn available(&self) -> u32 {
-        self.alloc.free_blocks() + self.radix.reclaimable() as u32
-    }
-
-    pub(super) fn allocate(&mut self, n: u32) -> Option<Vec<u32>> {
-        if self.available() < n {
-            return None;
-        }
-        // Evict least recently used cached prefixes only as far as needed.
-        while self.alloc.free_blocks() < n {
-            let block = self.radix.evict_one().expect("reclaimable blocks are evictable");
-            if let Some(t) = self.tier.as_mut() {
-                // Copied out by the shard before this step's forward reuses it.
-                t.evicted(block);
-            }
-            let left = self.alloc.release(block);
-            debug_assert_eq!(left, 0, "an evicted block had holders");
-        }
-        self.alloc.allocate(n)
-    }
-}
+use super::tier_index::Key;
+use super::tier_ops::{SecondTier, TierConfig, TierCosts, TierOps, TierStats};
 
 /// Cheap to clone: every clone is a handle on the same cache. A panic while
 /// the lock is held cannot leave the pool half-updated in a way later
@@ -58,8 +17,8 @@ impl Inner {
 /// poisoned lock is taken over instead of turning one panic into many.
 #[derive(Debug, Clone)]
 pub struct KvManager {
-    pub(super) inner: Arc<Mutex<Inner>>,
-    pub(super) block_size: u32,
+    inner: Arc<Mutex<Pool>>,
+    block_size: u32,
     capacity: u32,
 }
 
@@ -85,12 +44,7 @@ impl KvManager {
         let alloc = BlockAllocator::new(num_blocks, block_size);
         let capacity = alloc.capacity();
         Self {
-            inner: Arc::new(Mutex::new(Inner {
-                alloc,
-                radix: RadixCache::new(block_size),
-                prefix_caching,
-                tier: None,
-            })),
+            inner: Arc::new(Mutex::new(Pool { alloc, radix: RadixCache::new(block_size), prefix_caching, tier: None })),
             block_size,
             capacity,
         }
@@ -121,7 +75,7 @@ impl KvManager {
         kv.with_tier(cfg)
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pool> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -184,13 +138,13 @@ impl KvManager {
         for &id in &ids {
             g.retain(id);
         }
-        KvBlocks::new(ids, self.clone())
+        KvBlocks::new(ids, self.inner.clone(), self.block_size)
     }
 
     /// `n` fresh blocks, evicting cached prefixes if needed; all-or-nothing.
     pub fn allocate(&self, n: u32) -> Option<KvBlocks> {
         let ids = self.inner.lock().unwrap_or_else(PoisonError::into_inner).allocate(n)?;
-        Some(KvBlocks::new(ids, self.clone()))
+        Some(KvBlocks::new(ids, self.inner.clone(), self.block_size))
     }
 
     /// Indexes the full blocks of `tokens` (whose KV the shard has computed)
@@ -220,7 +174,7 @@ impl KvManager {
     /// Keys of the full blocks of `tokens` from block `from` on that the
     /// second tier holds (consecutive, at most the cacheable blocks), when
     /// loading them is cheaper than computing them; empty otherwise.
-    pub fn tier_hits(&self, tokens: &[u32], from: usize) -> Vec<super::tier::Key> {
+    pub fn tier_hits(&self, tokens: &[u32], from: usize) -> Vec<Key> {
         let max = self.max_cached_blocks(tokens);
         let mut g = self.lock();
         let caching = g.prefix_caching;
@@ -246,7 +200,7 @@ impl KvManager {
         }
     }
 
-    pub fn tier_costs(&self) -> Option<super::tier::TierCosts> {
+    pub fn tier_costs(&self) -> Option<TierCosts> {
         self.lock().tier.as_ref().map(SecondTier::costs)
     }
 

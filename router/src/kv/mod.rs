@@ -3,17 +3,21 @@
 
 pub mod block_allocator;
 pub mod blocks;
+pub mod lifetime;
 pub mod manager;
+mod pool;
 pub mod radix;
-pub mod second_tier;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
 mod tests_tier;
-pub mod tier;
+pub mod tier_index;
+pub mod tier_ops;
 
 pub use block_allocator::BlockAllocator;
 pub use blocks::KvBlocks;
+pub use lifetime::{lifetime_blocks, too_large};
 pub use manager::{KvManager, KvStats};
 pub use radix::RadixCache;
-pub use second_tier::{TierConfig, TierOps, TierStats};
+pub use tier_index::{chain_keys, Key};
+pub use tier_ops::{TierConfig, TierCosts, TierOps, TierStats};

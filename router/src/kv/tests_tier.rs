@@ -9,7 +9,7 @@ use std::collections::{HashMap, HashSet};
 use proptest::prelude::*;
 
 use super::tests::{check, prompt, write, Content, Seq, BS};
-use super::tier::{Key, TierCosts};
+use super::{Key, TierCosts};
 use super::{KvManager, TierConfig};
 
 #[derive(Debug, Clone)]
@@ -166,7 +166,7 @@ fn evicted_prefix_comes_back_from_the_tier() {
 
 #[test]
 fn restart_keys_are_hit_and_budget_holds() {
-    let keys = super::tier::chain_keys("test", &(0..9).collect::<Vec<u32>>(), BS as usize, 2);
+    let keys = super::chain_keys("test", &(0..9).collect::<Vec<u32>>(), BS as usize, 2);
     let mut cfg = tier(1);
     cfg.keys = keys.clone();
     let kv = KvManager::new(6, BS, true).with_tier(cfg);

@@ -1,6 +1,6 @@
 //! `plan_ahead`: the decode step after the one in flight, planned before its
 //! reply (vLLM's async scheduling, in its simplest case). Step N+1 names step
-//! N as its `after_step_id` (run.rs), so the shard runs them in that order
+//! N as its `after_step_id` (batching/run.rs), so the shard runs them in that order
 //! whichever call gRPC hands it first, and step N+1 may name each sequence's
 //! token sampled in step N without the router knowing it yet: the shard keeps
 //! it (proto: "the last sampled token"). The router's time between two steps
@@ -20,8 +20,8 @@
 //! block it frees is only reallocated by a later plan, whose step the shard
 //! runs after this one.
 
-use super::plan::{Planned, StepPlan};
 use super::state::State;
+use super::step_plan::{Planned, StepPlan};
 use crate::proto::pb;
 
 /// The fewest sequences of a step in flight for which the next is planned ahead unless the

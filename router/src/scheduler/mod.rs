@@ -1,23 +1,24 @@
 //! Continuous batching in the plan/execute split of vLLM v1: `schedule`
-//! (plan.rs) decides what the next step computes, the loop (run.rs) sends
-//! that one `Step` to the shards, and `update` (update.rs) applies the reply
-//! and yields token events for the requests' streams. Both decisions are
-//! pure functions over `State` (state.rs), unit-tested against a fake shard
-//! (tests.rs); the scheduler deals in token ids only.
+//! (schedule.rs) decides what the next step computes as a `StepPlan`
+//! (step_plan.rs), the batching loop (batching/) sends that one `Step` to
+//! the shards, and `update` (update.rs) applies the reply and yields token
+//! events for the requests' streams. Both decisions are pure functions over
+//! `State` (state.rs), unit-tested against a fake shard (tests.rs); the
+//! scheduler does no I/O and deals in token ids only.
 
 pub mod admission;
 mod ahead;
 #[cfg(test)]
 mod fake_shard;
 mod order;
-pub mod plan;
+mod preempt;
 mod priority_preempt;
 mod prompts;
-mod recover;
-mod run;
+mod schedule;
 pub mod sequence;
 pub mod state;
-mod tenant;
+pub mod step_plan;
+mod tenant_cap;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
@@ -33,12 +34,12 @@ mod tests_tier;
 pub mod too_large;
 pub mod update;
 
-pub use ahead::AHEAD_FROM_SEQUENCES;
-pub use plan::{schedule, StepPlan};
-pub use recover::is_group_down;
-pub use run::Scheduler;
+pub use ahead::{plan_ahead, AHEAD_FROM_SEQUENCES};
+pub use schedule::schedule;
+pub use sequence::Sequence;
 pub use state::State;
-pub use update::update;
+pub use step_plan::StepPlan;
+pub use update::{is_terminal, update, Event};
 
 use admission::Budget;
 

@@ -2,7 +2,7 @@
 //! sequences (vLLM's priority policy): when the head of the queue cannot be
 //! admitted for want of seats, batch tokens or KV blocks, running sequences
 //! whose effective priority is strictly worse are preempted (by recompute,
-//! as in `plan.rs`) until it fits, so it is admitted in this same step.
+//! preempt.rs) until it fits, so it is admitted in this same step.
 //!
 //! Effective priorities (aging included) on both sides keep this free of
 //! thrash and bounded: a victim goes back to the queue ranked behind the
@@ -16,7 +16,7 @@ use std::time::Instant;
 
 use super::admission::{fits_resources, Running};
 use super::order::{order_queue, units};
-use super::plan::preempt;
+use super::preempt::preempt;
 use super::prompts::{budget_with_running, candidate, growth_budget};
 use super::sequence::Sequence;
 use super::state::State;

@@ -9,10 +9,11 @@ use std::time::Instant;
 
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
 use super::order::{order_queue, units};
-use super::plan::{Loading, StepPlan};
 use super::sequence::Sequence;
 use super::state::State;
-use super::tenant::hold_back_capped;
+use super::step_plan::{Loading, StepPlan};
+use super::tenant_cap::hold_back_capped;
+use crate::kv::KvBlocks;
 use crate::proto::pb;
 
 /// Prompt work: chunks of prompts under way, then admissions from the
@@ -40,54 +41,13 @@ pub(super) fn schedule_prompts(st: &mut State, plan: &mut StepPlan, step_tokens:
 }
 
 fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alone_ok: bool, now: Instant) {
-    order_queue(st, now);
-    let mut units = units(&st.queue);
-    let mut eligible = units.len();
-    if let Some(cap) = st.config.max_running_per_tenant {
-        (units, eligible) = hold_back_capped(&mut st.queue, &st.running, &units, cap);
-    }
-    let candidates: Vec<Candidate> = units[..eligible].iter().map(|u| candidate(st, u)).collect();
-    let running = Running {
-        sequences: st.running.len() as u32,
-        tokens: st.running.iter().map(|s| s.len() as u64).sum(),
-        available_blocks: st.kv.available(),
-    };
-    let budget = growth_budget(st);
-    let Admission { whole, partial } = match left {
-        Some(l) => admit_chunked(&budget, running, &candidates, l, alone_ok),
-        None => Admission { whole: admit(&budget, running, &candidates), partial: None },
-    };
-    let take = if whole == 0 { 0 } else { units[whole - 1].end } + partial.is_some() as usize;
+    let (take, partial) = admissions(st, left, alone_ok, now);
     let bs = st.kv.block_size();
     let first_new = st.running.len();
     let mut taken: VecDeque<Sequence> = st.queue.drain(..take).collect();
     while let Some(mut s) = taken.pop_front() {
         let len = s.len();
-        let mut blocks = st.kv.acquire_prefix(&s.tokens);
-        // Prompts admitted in this same step that share a longer prefix
-        // (forks of `n`/`best_of`, a common system prompt arriving at once)
-        // share the earlier one's blocks, as far as that one computes them
-        // in this step: the shard writes them before anyone reads.
-        let limit = fork_shared_blocks(len, bs);
-        let caching = st.kv.prefix_caching();
-        let planned_end =
-            |id: u64| plan.planned.iter().find(|p| p.id == id).map_or(0, |p| p.num_computed + p.num_tokens);
-        let best = st.running[first_new..]
-            .iter()
-            // Without prefix caching only forks of one request share.
-            .filter(|a| caching || (s.group.is_some() && a.group == s.group))
-            .map(|a| {
-                let m = common_blocks(&a.tokens, &s.tokens, bs).min(limit).min(planned_end(a.id) / bs);
-                (m, a)
-            })
-            .max_by_key(|(m, _)| *m);
-        if let Some((m, a)) = best {
-            if m > blocks.len() {
-                if let Some(b) = a.blocks.as_ref() {
-                    blocks = b.share_prefix(m);
-                }
-            }
-        }
+        let mut blocks = prompt_blocks(st, plan, &s, first_new);
         let cache_len = blocks.len() * bs;
         if !blocks.ensure_capacity(len) {
             // Admission estimates are conservative; should one still fall
@@ -111,22 +71,83 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
             _ => len - cache_len,
         };
         plan.prefix_hit_tokens += cache_len as u64;
-        let first = cache_len / bs;
-        let keys = st.kv.tier_hits(&s.tokens, first as usize);
-        if !keys.is_empty() {
-            let ids = s.blocks.as_ref().map_or(&[][..], |b| b.ids());
-            for (i, key) in keys.iter().enumerate() {
-                let block_id = ids[first as usize + i];
-                plan.request.kv_loads.push(pb::KvLoad { key: key.clone(), block_id });
-            }
-            plan.tier_hit_tokens += keys.len() as u64 * bs as u64;
-            plan.loading.push(Loading { id: s.id, first_block: first, keys });
-            st.running.push(s);
-            continue;
+        if !plan_tier_loads(st, plan, &s, cache_len / bs) {
+            plan.push(&mut s, n, 0, true);
         }
-        plan.push(&mut s, n, 0, true);
         st.running.push(s);
     }
+}
+
+/// How many queued sequences this step admits (whole units), and the prompt
+/// tokens of one more admitted in part (a chunk), if any.
+fn admissions(st: &mut State, left: Option<u32>, alone_ok: bool, now: Instant) -> (usize, Option<u32>) {
+    order_queue(st, now);
+    let mut units = units(&st.queue);
+    let mut eligible = units.len();
+    if let Some(cap) = st.config.max_running_per_tenant {
+        (units, eligible) = hold_back_capped(&mut st.queue, &st.running, &units, cap);
+    }
+    let candidates: Vec<Candidate> = units[..eligible].iter().map(|u| candidate(st, u)).collect();
+    let running = Running {
+        sequences: st.running.len() as u32,
+        tokens: st.running.iter().map(|s| s.len() as u64).sum(),
+        available_blocks: st.kv.available(),
+    };
+    let budget = growth_budget(st);
+    let Admission { whole, partial } = match left {
+        Some(l) => admit_chunked(&budget, running, &candidates, l, alone_ok),
+        None => Admission { whole: admit(&budget, running, &candidates), partial: None },
+    };
+    let take = if whole == 0 { 0 } else { units[whole - 1].end } + partial.is_some() as usize;
+    (take, partial)
+}
+
+/// The block table an admitted prompt starts with: its cached prefix, or
+/// the longer prefix of a prompt admitted in this same step (forks of
+/// `n`/`best_of`, a common system prompt arriving at once), as far as that
+/// one computes it in this step: the shard writes those blocks before
+/// anyone reads them.
+fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, first_new: usize) -> KvBlocks {
+    let bs = st.kv.block_size();
+    let mut blocks = st.kv.acquire_prefix(&s.tokens);
+    let limit = fork_shared_blocks(s.len(), bs);
+    let caching = st.kv.prefix_caching();
+    let planned_end = |id: u64| plan.planned.iter().find(|p| p.id == id).map_or(0, |p| p.num_computed + p.num_tokens);
+    let best = st.running[first_new..]
+        .iter()
+        // Without prefix caching only forks of one request share.
+        .filter(|a| caching || (s.group.is_some() && a.group == s.group))
+        .map(|a| {
+            let m = common_blocks(&a.tokens, &s.tokens, bs).min(limit).min(planned_end(a.id) / bs);
+            (m, a)
+        })
+        .max_by_key(|(m, _)| *m);
+    if let Some((m, a)) = best {
+        if m > blocks.len() {
+            if let Some(b) = a.blocks.as_ref() {
+                blocks = b.share_prefix(m);
+            }
+        }
+    }
+    blocks
+}
+
+/// Plans loading the blocks from `first` on that the second tier holds;
+/// true when there are any: the sequence then only loads in this step, its
+/// compute is planned once the reply confirmed the loads.
+fn plan_tier_loads(st: &State, plan: &mut StepPlan, s: &Sequence, first: u32) -> bool {
+    let keys = st.kv.tier_hits(&s.tokens, first as usize);
+    if keys.is_empty() {
+        return false;
+    }
+    let ids = s.blocks.as_ref().map_or(&[][..], |b| b.ids());
+    for (i, key) in keys.iter().enumerate() {
+        let block_id = ids[first as usize + i];
+        plan.request.kv_loads.push(pb::KvLoad { key: key.clone(), block_id });
+    }
+    plan.tier_hit_tokens += keys.len() as u64 * st.kv.block_size() as u64;
+    plan.loading.push(Loading { id: s.id, first_block: first, keys });
+    true
 }
 
 /// The budget with room for the running batch to grow: on top of the

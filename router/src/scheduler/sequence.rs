@@ -7,7 +7,7 @@ use std::time::Instant;
 use crate::kv::KvBlocks;
 use crate::proto::pb;
 use crate::queue::Entry;
-use crate::validation::ValidRequest;
+use crate::request::ValidRequest;
 
 #[derive(Debug)]
 pub struct Sequence {

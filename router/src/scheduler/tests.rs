@@ -11,16 +11,15 @@ use tokio::sync::mpsc;
 
 use super::admission::Budget;
 use super::fake_shard::{next_token, FakeShard, EOS};
-use super::plan::schedule;
+use super::schedule;
 use super::state::State;
-use super::too_large::lifetime_blocks;
 use super::update::{is_terminal, update};
 use super::{AdmissionOrder, SchedulerConfig};
 use crate::error::RouterError;
-use crate::kv::KvManager;
+use crate::kv::{lifetime_blocks, KvManager};
 use crate::proto::pb;
 use crate::queue::{Entry, Finish, SeqEvent};
-use crate::validation::ValidRequest;
+use crate::request::ValidRequest;
 
 pub(super) const BS: u32 = 4;
 
@@ -382,6 +381,37 @@ fn wrong_token_counts_and_duplicates_fail_the_requests_they_touch() {
     });
     for id in 0..3 {
         assert_eq!(out.errors[&id].error_type(), "generation", "request {id}");
+    }
+}
+
+/// The shard decides the length finish; a reply past what the router sent
+/// (more tokens than are left, or none finishing at the limit) is malformed.
+#[test]
+fn a_reply_past_max_new_tokens_or_not_finishing_at_it_is_malformed() {
+    type Corrupt = fn(&mut pb::Generation);
+    let overrun: Corrupt = |g| {
+        g.tokens.as_mut().unwrap().ids.push(7);
+        g.tokens.as_mut().unwrap().logprobs.push(-0.5);
+        g.finish_reason = pb::FinishReason::Unspecified as i32;
+    };
+    let no_finish: Corrupt = |g| g.finish_reason = pb::FinishReason::Unspecified as i32;
+    for corrupt in [overrun, no_finish] {
+        // Room for proposals, so that an extra token is within the step's count.
+        let (mut st, mut shard) = setup(config(Some(64), None, 3), 50);
+        st.enqueue(entry(0, request(prompt(0, 5), 2), None));
+        let plan = schedule(&mut st, Instant::now());
+        let (events, _) = update(&mut st, &plan, &shard.step(&plan.request));
+        assert!(matches!(&events[..], [(0, Ok(SeqEvent::Tokens { finish: None, .. }))]));
+        // The last token: the shard finishes it with `length`.
+        let plan = schedule(&mut st, Instant::now());
+        let mut resp = shard.step(&plan.request);
+        assert_eq!(resp.generations[0].finish_reason, pb::FinishReason::Length as i32);
+        corrupt(&mut resp.generations[0]);
+        let (events, _) = update(&mut st, &plan, &resp);
+        assert!(matches!(&events[..], [(0, Err(RouterError::Generation(_)))]), "{events:?}");
+        assert!(st.is_idle());
+        assert_eq!(st.finished, vec![0], "the shard is told to forget it");
+        assert_no_leak(&st);
     }
 }
 

@@ -8,10 +8,10 @@ use proptest::prelude::*;
 
 use super::ahead::plan_ahead;
 use super::fake_shard::{next_token, FakeShard, EOS};
-use super::plan::{schedule, StepPlan};
 use super::state::State;
 use super::tests::{assert_no_leak, collect, config, entry, expected, prompt, request, setup, Outcome};
 use super::update::update;
+use super::{schedule, StepPlan};
 use crate::queue::Finish;
 
 /// What the loop would do between two steps: an abort or an arrival.

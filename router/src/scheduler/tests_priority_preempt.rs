@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 use proptest::prelude::*;
 
 use super::fake_shard::FakeShard;
-use super::plan::schedule;
+use super::schedule;
 use super::state::State;
 use super::tests::{assert_no_leak, collect, config, drive, entry, expected, prompt, request, setup, Outcome};
 use super::update::update;
-use crate::validation::ValidRequest;
+use crate::request::ValidRequest;
 
 fn with_priority(mut r: ValidRequest, priority: i32) -> ValidRequest {
     r.priority = priority;

@@ -7,12 +7,12 @@ use std::time::Instant;
 
 use tokio::sync::mpsc;
 
-use super::plan::schedule;
+use super::schedule;
 use super::tests::{assert_no_leak, collect, config, drive, entry, expected, prompt, request, setup, Outcome};
 use super::update::update;
 use crate::kv::KvManager;
-use crate::placement::{Arrival, GroupHandle, Placer, Routing};
-use crate::state::RouterState;
+use crate::routing::{Arrival, GroupHandle, Placer, Routing};
+use crate::shared_state::RouterState;
 
 #[test]
 fn sequences_of_a_failed_group_finish_on_another_exactly() {
@@ -54,7 +54,7 @@ fn sequences_of_a_failed_group_finish_on_another_exactly() {
 
 fn group(kv_blocks: u32) -> (GroupHandle, mpsc::UnboundedReceiver<Arrival>) {
     let (tx, rx) = mpsc::unbounded_channel();
-    let stats = Arc::new(crate::state::GroupStats::default());
+    let stats = Arc::new(crate::shared_state::GroupStats::default());
     stats.serving.store(true, std::sync::atomic::Ordering::SeqCst);
     RouterState::set(&stats.kv_blocks_free, kv_blocks as u64);
     (GroupHandle { tx, kv: Arc::new(Mutex::new(KvManager::new(kv_blocks, 4, true))), stats }, rx)

@@ -6,8 +6,7 @@
 use super::fake_shard::FakeShard;
 use super::state::State;
 use super::tests::{assert_no_leak, config, drive, entry, expected, request, BS};
-use crate::kv::tier::TierCosts;
-use crate::kv::{KvManager, TierConfig};
+use crate::kv::{KvManager, TierConfig, TierCosts};
 
 fn tiered(num_blocks: u32) -> (State, FakeShard) {
     let costs = TierCosts { block_bytes: 64, load_bytes_per_s: 1e9, prefill_tokens_per_s: 1e3 };
@@ -65,7 +64,7 @@ fn a_corrupt_tier_block_is_recomputed_and_never_served_again() {
         st.enqueue(entry(id, request(super::tests::prompt(id, 40), 2), None));
         drive(&mut st, &mut shard);
     }
-    let keys = crate::kv::tier::chain_keys("t", &p, BS as usize, 10);
+    let keys = crate::kv::chain_keys("t", &p, BS as usize, 10);
     shard.corrupt.insert(keys[4].clone());
     let mut q = p.clone();
     q.push(5);

@@ -1,14 +1,26 @@
 //! `update`: applies what the shard computed for a plan. Pure: it changes
 //! the `State` and returns one event per touched sequence for the loop to
 //! deliver. A reply that does not match the plan (a missing generation, a
-//! wrong token count, a finish on a prompt chunk) ends the sequences it
-//! touches with a `generation` error; it never panics the router.
+//! wrong token count, a finish on a prompt chunk, tokens past
+//! max_new_tokens) ends the sequences it touches with a `generation` error;
+//! it never panics the router.
+//!
+//! Where a sequence finishes is decided once per kind. The router owns the
+//! length accounting: it sends the stopping criteria with each (re)admitted
+//! sequence (`Sequence::new_request`: what is left of max_new_tokens,
+//! ignore_eos, min_new_tokens, stop_token_ids) and checks every reply
+//! against them. The shard, which samples (and sees each token of a
+//! speculative run), applies them: length, EOS and stop-token finishes are
+//! decided there alone (server/pagemill/shard/generations.py), the run cut
+//! at the finish and the request dropped; here the finish reason is only
+//! carried to the stream. Stop strings are text, matched by the request's
+//! stream (stream.rs), which ends it like a client that went away.
 
 use std::collections::HashMap;
 
-use super::plan::{Planned, StepPlan};
 use super::sequence::Sequence;
 use super::state::State;
+use super::step_plan::{Planned, StepPlan};
 use crate::error::RouterError;
 use crate::proto::pb;
 use crate::queue::{Finish, SeqEvent};
@@ -35,23 +47,17 @@ pub struct StepStats {
 
 pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<Event>, StepStats) {
     let mut stats = StepStats::default();
-    let mut by_id: HashMap<u64, Option<&pb::Generation>> = HashMap::with_capacity(resp.generations.len());
-    for g in &resp.generations {
-        by_id
-            .entry(g.request_id)
-            // Two answers for one request: neither can be trusted.
-            .and_modify(|slot| *slot = None)
-            .or_insert(Some(g));
-    }
+    let by_id = generations_by_id(resp);
     stats.unknown_ids = by_id.keys().filter(|id| !plan.planned.iter().any(|p| p.id == **id)).count() as u32;
     apply_loads(st, plan, resp, &mut stats);
     let mut events = Vec::with_capacity(plan.planned.len());
     for p in &plan.planned {
         let Some(i) = st.running_index(p.id) else { continue };
+        let left = st.running[i].remaining_new_tokens();
         let outcome = match by_id.get(&p.id) {
             None => Err(format!("the shard returned no generation for request {}", p.id)),
             Some(None) => Err(format!("the shard returned two generations for request {}", p.id)),
-            Some(Some(g)) => check(p, g),
+            Some(Some(g)) => check(p, g, left),
         };
         let g = match outcome {
             Ok(g) => g,
@@ -69,63 +75,78 @@ pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<
             s.on_shard = false;
             st.release(s, false);
             events.push((p.id, Err(RouterError::Validation(g.error.clone()))));
-            continue;
-        }
-        let s = &mut st.running[i];
-        if !p.samples {
-            s.num_computed = p.num_computed + p.num_tokens;
-            // The shard confirmed this chunk's KV: its full blocks may be shared now.
-            if let Some(b) = s.blocks.as_ref() {
-                st.kv.commit(b, &s.tokens[..s.num_computed as usize]);
-            }
-            stats.window_released_blocks += release_behind_window(s, st.config.sliding_window, st.kv.block_size());
-            continue;
-        }
-        let tokens = g.tokens.as_ref().expect("checked");
-        let mut ids = tokens.ids.clone();
-        let mut finish = finish_of(g.finish_reason);
-        // The router's own length guard: a shard that overruns is cut short.
-        let left = s.remaining_new_tokens() as usize;
-        if ids.len() >= left && finish.is_none() || ids.len() > left {
-            ids.truncate(left);
-            finish = Some(Finish::Length);
-            if g.finish_reason == pb::FinishReason::Unspecified as i32 {
-                st.finished.push(s.id);
-            }
-        }
-        let n = ids.len() as u32;
-        s.num_computed = p.num_computed + p.num_tokens + n.saturating_sub(1);
-        s.tokens.extend_from_slice(&ids);
-        s.generated += n;
-        stats.generated_tokens += n as u64;
-        if !s.prefilled {
-            s.prefilled = true;
-            if let Some(b) = s.blocks.as_ref() {
-                st.kv.commit(b, &s.tokens[..(p.num_computed + p.num_tokens) as usize]);
-            }
-            if s.request.decoder_input_details && s.preemptions == 0 {
-                if let Some(t) = &g.prefill_tokens {
-                    events.push((p.id, Ok(SeqEvent::Prefill { ids: t.ids.clone(), logprobs: t.logprobs.clone() })));
-                }
-            }
-        }
-        stats.window_released_blocks += release_behind_window(s, st.config.sliding_window, st.kv.block_size());
-        let mut logprobs = tokens.logprobs.clone();
-        logprobs.truncate(ids.len());
-        let mut top = g.top_tokens.clone();
-        top.truncate(ids.len());
-        let started_at = s.started_at;
-        events.push((p.id, Ok(SeqEvent::Tokens { ids, logprobs, top, finish, started_at })));
-        if finish.is_some() {
-            let mut s = st.running.remove(i);
-            // A finish the shard reported: it dropped the request itself.
-            if g.finish_reason != pb::FinishReason::Unspecified as i32 {
-                s.on_shard = false;
-            }
-            st.release(s, true);
+        } else if p.samples {
+            apply_sample(st, i, p, g, &mut events, &mut stats);
+        } else {
+            apply_chunk(st, i, p, &mut stats);
         }
     }
     (events, stats)
+}
+
+/// Each request's generation; None for a request answered twice (neither can be trusted).
+fn generations_by_id(resp: &pb::StepResponse) -> HashMap<u64, Option<&pb::Generation>> {
+    let mut by_id: HashMap<u64, Option<&pb::Generation>> = HashMap::with_capacity(resp.generations.len());
+    for g in &resp.generations {
+        by_id.entry(g.request_id).and_modify(|slot| *slot = None).or_insert(Some(g));
+    }
+    by_id
+}
+
+/// An intermediate prompt chunk: computed, nothing sampled.
+fn apply_chunk(st: &mut State, i: usize, p: &Planned, stats: &mut StepStats) {
+    let s = &mut st.running[i];
+    s.num_computed = p.num_computed + p.num_tokens;
+    // The shard confirmed this chunk's KV: its full blocks may be shared now.
+    if let Some(b) = s.blocks.as_ref() {
+        st.kv.commit(b, &s.tokens[..s.num_computed as usize]);
+    }
+    stats.window_released_blocks += release_behind_window(s, st.config.sliding_window, st.kv.block_size());
+}
+
+/// A range the shard sampled after: its tokens (and the prompt's logprobs on
+/// the first sample) go to the stream; a finish the shard reported ends the
+/// sequence, which the shard has already dropped.
+fn apply_sample(
+    st: &mut State,
+    i: usize,
+    p: &Planned,
+    g: &pb::Generation,
+    events: &mut Vec<Event>,
+    stats: &mut StepStats,
+) {
+    let s = &mut st.running[i];
+    let tokens = g.tokens.as_ref().expect("checked");
+    let ids = tokens.ids.clone();
+    let finish = finish_of(g.finish_reason);
+    let n = ids.len() as u32;
+    s.num_computed = p.num_computed + p.num_tokens + n.saturating_sub(1);
+    s.tokens.extend_from_slice(&ids);
+    s.generated += n;
+    stats.generated_tokens += n as u64;
+    if !s.prefilled {
+        s.prefilled = true;
+        if let Some(b) = s.blocks.as_ref() {
+            st.kv.commit(b, &s.tokens[..(p.num_computed + p.num_tokens) as usize]);
+        }
+        if s.request.decoder_input_details && s.preemptions == 0 {
+            if let Some(t) = &g.prefill_tokens {
+                events.push((p.id, Ok(SeqEvent::Prefill { ids: t.ids.clone(), logprobs: t.logprobs.clone() })));
+            }
+        }
+    }
+    stats.window_released_blocks += release_behind_window(s, st.config.sliding_window, st.kv.block_size());
+    let mut logprobs = tokens.logprobs.clone();
+    logprobs.truncate(ids.len());
+    let mut top = g.top_tokens.clone();
+    top.truncate(ids.len());
+    let started_at = s.started_at;
+    events.push((p.id, Ok(SeqEvent::Tokens { ids, logprobs, top, finish, started_at })));
+    if finish.is_some() {
+        let mut s = st.running.remove(i);
+        s.on_shard = false;
+        st.release(s, true);
+    }
 }
 
 /// Second-tier loads: a sequence counts as computed up to its first failed
@@ -161,14 +182,18 @@ fn release_behind_window(s: &mut Sequence, window: u32, block_size: u32) -> u64 
 }
 
 /// The generation must answer the planned range: no tokens for a prompt
-/// chunk, 1..=1+max_proposals tokens where the shard samples.
-fn check<'a>(p: &Planned, g: &'a pb::Generation) -> Result<&'a pb::Generation, String> {
+/// chunk, 1..=1+max_proposals tokens where the shard samples, never past
+/// the `left` tokens of the sequence's max_new_tokens, and a finish on the
+/// last of them (the shard decides the length finish from the stopping
+/// criteria it was sent; a reply that overruns them is malformed).
+fn check<'a>(p: &Planned, g: &'a pb::Generation, left: u32) -> Result<&'a pb::Generation, String> {
     if !g.error.is_empty() {
         return Ok(g);
     }
     let n = g.tokens.as_ref().map_or(0, |t| t.ids.len()) as u32;
+    let finished = g.finish_reason != pb::FinishReason::Unspecified as i32;
     if !p.samples {
-        if n > 0 || g.finish_reason != pb::FinishReason::Unspecified as i32 {
+        if n > 0 || finished {
             return Err(format!("the shard sampled for request {}, whose prompt is not complete", p.id));
         }
         return Ok(g);
@@ -179,6 +204,15 @@ fn check<'a>(p: &Planned, g: &'a pb::Generation) -> Result<&'a pb::Generation, S
             p.id,
             1 + p.max_proposals
         ));
+    }
+    if n > left {
+        return Err(format!(
+            "the shard returned {n} tokens for request {}, past its max_new_tokens ({left} left)",
+            p.id
+        ));
+    }
+    if n == left && !finished {
+        return Err(format!("the shard did not finish request {} at its max_new_tokens", p.id));
     }
     Ok(g)
 }

@@ -9,107 +9,21 @@
 //! name is known and its arguments started: if the text then breaks off
 //! inside the arguments, the call stays, with the arguments it got.
 
+use super::markers::{held_prefix, HERMES_CLOSE, HERMES_OPEN, LLAMA_PYTHON_TAG};
 use super::mistral::mistral;
-use super::parse::{HERMES_CLOSE, HERMES_OPEN, LLAMA_PYTHON_TAG};
-use super::scan;
-use super::stream::held_prefix;
+use super::reading::{object, sequence, trailing, ws, Item, Obj, Out};
 use super::{pythonic, ToolCallParser};
-
-#[derive(Debug, Clone, PartialEq)]
-pub enum Item {
-    Content(String),
-    /// `done`: the arguments are complete.
-    Call {
-        name: String,
-        args: String,
-        done: bool,
-    },
-}
-
-pub(super) struct Out<'a> {
-    items: Vec<Item>,
-    names: &'a [&'a str],
-    pub(super) fin: bool,
-}
-
-impl Out<'_> {
-    pub(super) fn content(&mut self, s: &str) {
-        if s.is_empty() {
-            return;
-        }
-        match self.items.last_mut() {
-            Some(Item::Content(c)) => c.push_str(s),
-            _ => self.items.push(Item::Content(s.to_string())),
-        }
-    }
-
-    pub(super) fn call(&mut self, name: &str, args: &str, done: bool) {
-        self.items.push(Item::Call { name: name.to_string(), args: args.to_string(), done });
-    }
-
-    fn calls(&self) -> bool {
-        self.items.iter().any(|i| matches!(i, Item::Call { .. }))
-    }
-
-    pub(super) fn known(&self, name: &str) -> bool {
-        self.names.contains(&name)
-    }
-}
 
 /// Reads `text`; `fin`: the reply is over (nothing is held back).
 pub fn analyze(format: ToolCallParser, text: &str, names: &[&str], fin: bool) -> Vec<Item> {
-    let mut out = Out { items: Vec::new(), names, fin };
+    let mut out = Out::new(names, fin);
     match format {
         ToolCallParser::Hermes => hermes(text, &mut out),
         ToolCallParser::Llama3Json => whole_reply(text, false, &mut out),
         ToolCallParser::Pythonic => whole_reply(text, true, &mut out),
         ToolCallParser::Mistral => mistral(text, &mut out),
     }
-    out.items
-}
-
-/// One call object at the start of `s` (after whitespace).
-enum Obj {
-    Call { name: String, args: String, done: bool, end: Option<usize> },
-    Pending,
-    NotCall,
-}
-
-/// `closed`: no more text will come to this object.
-fn object(s: &str, out: &Out, closed: bool) -> Obj {
-    let sc = scan::call_object(s);
-    let undecided = || if closed || sc.bad || sc.end.is_some() { Obj::NotCall } else { Obj::Pending };
-    let Some(name) = sc.name.clone() else { return undecided() };
-    if !out.known(&name) {
-        return Obj::NotCall;
-    }
-    match sc.args {
-        None if sc.end.is_some() => Obj::Call { name, args: "{}".into(), done: true, end: sc.end },
-        None => undecided(),
-        Some((start, end)) => match s.as_bytes()[start] {
-            b'{' => {
-                Obj::Call { name, args: s[start..end.unwrap_or(s.len())].to_string(), done: end.is_some(), end: sc.end }
-            }
-            // Arguments written as a JSON string holding the object.
-            b'"' => match end {
-                None => undecided(),
-                Some(e) => match serde_json::from_str::<String>(&s[start..e]) {
-                    Ok(a) if serde_json::from_str::<serde_json::Value>(&a).is_ok_and(|v| v.is_object()) => {
-                        Obj::Call { name, args: a, done: true, end: sc.end }
-                    }
-                    _ => Obj::NotCall,
-                },
-            },
-            _ => Obj::NotCall,
-        },
-    }
-}
-
-pub(super) fn ws(b: &[u8], mut i: usize) -> usize {
-    while i < b.len() && b[i].is_ascii_whitespace() {
-        i += 1;
-    }
-    i
+    out.into_items()
 }
 
 fn hermes(text: &str, out: &mut Out) {
@@ -187,61 +101,6 @@ fn whole_reply(text: &str, pythonic: bool, out: &mut Out) {
             }
         }
         Some(_) => out.content(text),
-    }
-}
-
-/// Call objects from `i`: separated by `;` (Llama) or in a JSON array
-/// whose `[` is before `i`. If the first is not a call, everything from
-/// `region` is content; after a call, a part that is not one is content.
-pub(super) fn sequence(text: &str, mut i: usize, array: bool, region: usize, out: &mut Out) {
-    let b = text.as_bytes();
-    let mut first = true;
-    loop {
-        let between = i;
-        if !first {
-            if array {
-                i = ws(b, i);
-                match b.get(i) {
-                    None => return,
-                    Some(b',') => i += 1,
-                    Some(b']') => return trailing(text, i + 1, out),
-                    Some(_) => return out.content(&text[between..]),
-                }
-            } else {
-                while i < b.len() && (b[i] == b';' || b[i].is_ascii_whitespace()) {
-                    i += 1;
-                }
-            }
-        }
-        i = ws(b, i);
-        if i == b.len() {
-            if out.fin && first {
-                out.content(&text[region..]);
-            }
-            return;
-        }
-        if b[i] != b'{' {
-            return out.content(&text[if first { region } else { between }..]);
-        }
-        match object(&text[i..], out, out.fin) {
-            Obj::Pending => return,
-            Obj::NotCall => return out.content(&text[if first { region } else { between }..]),
-            Obj::Call { name, args, done, end } => {
-                out.call(&name, &args, done);
-                match end {
-                    Some(e) => i += e,
-                    None => return,
-                }
-            }
-        }
-        first = false;
-    }
-}
-
-/// Text after the calls: content unless it is only whitespace.
-pub(super) fn trailing(text: &str, i: usize, out: &mut Out) {
-    if !text[i..].trim().is_empty() {
-        out.content(&text[i..]);
     }
 }
 

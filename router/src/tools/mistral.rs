@@ -3,13 +3,9 @@
 //! per call; a bare array where the marker, a special token, was dropped
 //! from the text.
 
-use super::analyze::{sequence, trailing, ws, Out};
-use super::parse::MISTRAL_MARKER;
+use super::markers::{held_prefix, MISTRAL_ARGS, MISTRAL_CALL_ID, MISTRAL_MARKER};
+use super::reading::{sequence, trailing, ws, Out};
 use super::scan::{self, End};
-use super::stream::held_prefix;
-
-pub const MISTRAL_ARGS: &str = "[ARGS]";
-const MISTRAL_CALL_ID: &str = "[CALL_ID]";
 
 pub(super) fn mistral(text: &str, out: &mut Out) {
     let b = text.as_bytes();

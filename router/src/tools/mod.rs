@@ -2,18 +2,20 @@
 //! model families emit calls in, and how a call is found in (or forced on)
 //! the model's output.
 //!
-//! Parsing is per format (`parse`, `stream`); forcing (`tool_choice`
+//! Parsing is per format (`parse`, `call_stream`); forcing (`tool_choice`
 //! "required" or a named function) is a Lark grammar the shard enforces
-//! with llguidance (`grammar`), written in the same format so the same
+//! with llguidance (`call_grammar`), written in the same format so the same
 //! parser reads it back.
 
 pub mod analyze;
-pub mod grammar;
+pub mod call_grammar;
+pub mod call_stream;
+pub mod markers;
 mod mistral;
 pub mod parse;
 pub mod pythonic;
+pub mod reading;
 pub mod scan;
-pub mod stream;
 
 use rand::distr::{Alphanumeric, SampleString};
 use serde::{Deserialize, Serialize};

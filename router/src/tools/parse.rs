@@ -4,13 +4,10 @@
 
 use serde_json::Value;
 
-use super::analyze::{analyze, Item};
+use super::analyze::analyze;
+use super::markers::{HERMES_CLOSE, HERMES_OPEN, LLAMA_PYTHON_TAG, MISTRAL_MARKER};
+use super::reading::Item;
 use super::{ToolCall, ToolCallParser};
-
-pub const HERMES_OPEN: &str = "<tool_call>";
-pub const HERMES_CLOSE: &str = "</tool_call>";
-pub const MISTRAL_MARKER: &str = "[TOOL_CALLS]";
-pub const LLAMA_PYTHON_TAG: &str = "<|python_tag|>";
 
 /// A reply split into its text and its calls.
 #[derive(Debug, Default, Clone, PartialEq)]

@@ -90,94 +90,106 @@ pub fn value(s: &str, i: usize) -> Read<Value> {
     let Some(&c) = b.get(i) else { return Open };
     match c {
         b'"' | b'\'' => string(s, i),
-        b'[' | b'(' => {
-            let close = if c == b'[' { b']' } else { b')' };
-            let mut items = Vec::new();
-            let mut j = i + 1;
-            loop {
-                j = skip_ws(b, j);
-                match b.get(j) {
-                    None => return Open,
-                    Some(&x) if x == close => return Done(Value::Array(items), j + 1),
-                    _ => {}
-                }
-                match value(s, j) {
-                    Done(v, e) => {
-                        items.push(v);
-                        j = skip_ws(b, e);
-                    }
-                    other => return other,
-                }
-                match b.get(j) {
-                    None => return Open,
-                    Some(b',') => j += 1,
-                    Some(&x) if x == close => {}
-                    Some(_) => return Bad,
-                }
-            }
+        b'[' => sequence(s, i, b']'),
+        b'(' => sequence(s, i, b')'),
+        b'{' => dict(s, i),
+        _ => word(s, i),
+    }
+}
+
+/// A list or tuple whose opening bracket is at `i`, as a JSON array.
+fn sequence(s: &str, i: usize, close: u8) -> Read<Value> {
+    let b = s.as_bytes();
+    let mut items = Vec::new();
+    let mut j = i + 1;
+    loop {
+        j = skip_ws(b, j);
+        match b.get(j) {
+            None => return Open,
+            Some(&x) if x == close => return Done(Value::Array(items), j + 1),
+            _ => {}
         }
-        b'{' => {
-            let mut map = Map::new();
-            let mut j = i + 1;
-            loop {
-                j = skip_ws(b, j);
-                match b.get(j) {
-                    None => return Open,
-                    Some(b'}') => return Done(Value::Object(map), j + 1),
-                    _ => {}
-                }
-                let key = match value(s, j) {
-                    Done(Value::String(k), e) => {
-                        j = skip_ws(b, e);
-                        k
-                    }
-                    Done(..) | Bad => return Bad,
-                    Open => return Open,
-                };
-                match b.get(j) {
-                    None => return Open,
-                    Some(b':') => {}
-                    Some(_) => return Bad,
-                }
-                match value(s, j + 1) {
-                    Done(v, e) => {
-                        map.insert(key, v);
-                        j = skip_ws(b, e);
-                    }
-                    other => return other,
-                }
-                match b.get(j) {
-                    None => return Open,
-                    Some(b',') => j += 1,
-                    Some(b'}') => {}
-                    Some(_) => return Bad,
-                }
+        match value(s, j) {
+            Done(v, e) => {
+                items.push(v);
+                j = skip_ws(b, e);
             }
+            other => return other,
         }
-        _ => {
-            let mut j = i;
-            while j < b.len() && (b[j].is_ascii_alphanumeric() || matches!(b[j], b'.' | b'-' | b'+' | b'_')) {
-                j += 1;
-            }
-            if j == b.len() {
-                return Open;
-            }
-            let word = &s[i..j];
-            let v = match word {
-                "True" => Value::Bool(true),
-                "False" => Value::Bool(false),
-                "None" => Value::Null,
-                _ => match word.parse::<i64>() {
-                    Ok(n) => Value::Number(n.into()),
-                    Err(_) => match word.parse::<f64>().ok().and_then(Number::from_f64) {
-                        Some(n) => Value::Number(n),
-                        None => return Bad,
-                    },
-                },
-            };
-            Done(v, j)
+        match b.get(j) {
+            None => return Open,
+            Some(b',') => j += 1,
+            Some(&x) if x == close => {}
+            Some(_) => return Bad,
         }
     }
+}
+
+/// A dict whose `{` is at `i`, with string keys, as a JSON object.
+fn dict(s: &str, i: usize) -> Read<Value> {
+    let b = s.as_bytes();
+    let mut map = Map::new();
+    let mut j = i + 1;
+    loop {
+        j = skip_ws(b, j);
+        match b.get(j) {
+            None => return Open,
+            Some(b'}') => return Done(Value::Object(map), j + 1),
+            _ => {}
+        }
+        let key = match value(s, j) {
+            Done(Value::String(k), e) => {
+                j = skip_ws(b, e);
+                k
+            }
+            Done(..) | Bad => return Bad,
+            Open => return Open,
+        };
+        match b.get(j) {
+            None => return Open,
+            Some(b':') => {}
+            Some(_) => return Bad,
+        }
+        match value(s, j + 1) {
+            Done(v, e) => {
+                map.insert(key, v);
+                j = skip_ws(b, e);
+            }
+            other => return other,
+        }
+        match b.get(j) {
+            None => return Open,
+            Some(b',') => j += 1,
+            Some(b'}') => {}
+            Some(_) => return Bad,
+        }
+    }
+}
+
+/// `True`, `False`, `None` or a number at `i`.
+fn word(s: &str, i: usize) -> Read<Value> {
+    let b = s.as_bytes();
+    let mut j = i;
+    while j < b.len() && (b[j].is_ascii_alphanumeric() || matches!(b[j], b'.' | b'-' | b'+' | b'_')) {
+        j += 1;
+    }
+    if j == b.len() {
+        return Open;
+    }
+    let word = &s[i..j];
+    let v = match word {
+        "True" => Value::Bool(true),
+        "False" => Value::Bool(false),
+        "None" => Value::Null,
+        _ => match word.parse::<i64>() {
+            Ok(n) => Value::Number(n.into()),
+            Err(_) => match word.parse::<f64>().ok().and_then(Number::from_f64) {
+                Some(n) => Value::Number(n),
+                None => return Bad,
+            },
+        },
+    };
+    Done(v, j)
 }
 
 fn string(s: &str, i: usize) -> Read<Value> {

@@ -4,7 +4,7 @@ Each configuration runs alone, fresh, `--runs` times (interleaved: run 1 of
 every server, then run 2...), so a warm prefix cache or a noisy minute
 does not favour one server:
 
-  wait for an idle machine (1-min load average) -> its read bandwidth (the
+  wait for an idle machine (busy CPUs over 2 s) -> its read bandwidth (the
   batch-1 memory floor at the server's precision) -> launch -> wait for
   /health -> warm up -> resident memory of the whole process tree ->
   the c=64 workload -> the batch-1 workload -> stop the whole tree.
@@ -15,6 +15,8 @@ Every server gets the same seeded requests through the same load generator
 after a streamed response, so all servers are driven alike). Every request's
 output is checked against the tokens it asked for; a server that stops
 early is flagged in the table, not dropped. Figures are medians over runs.
+`--out` is the benchmark's folder: the latest run's files replace the last
+ones there, and each run appends a row to its history.jsonl (bench/history.py).
 Install the peers first: benchmarks/peers/install.sh.
 """
 
@@ -36,11 +38,13 @@ import httpx
 
 from pagemill.bench import compare_report as rep
 from pagemill.bench import cpu_idle
+from pagemill.bench import history
 from pagemill.bench.datasets import uniform_dataset
 from pagemill.bench.load import LoadConfig, run_load, warm
 from pagemill.bench import server_probe as probe
 from pagemill.bench.metrics import compute_metrics
-from pagemill.bench.peer_configs import MODEL_NAME, ServerConfig, select
+from pagemill.bench.model_presets import resolve_args
+from pagemill.bench.peer_configs import ServerConfig, find_llama_server, select
 from pagemill.bench.compare_floors import batch1_floor_ms, workload_ceiling
 from pagemill.bench.roofline import measure_machine
 from pagemill.models.config import ModelConfig
@@ -61,13 +65,12 @@ def cpu_info() -> dict:
 def placeholders(peers: str, model_dir: str, port: int) -> dict[str, str]:
     """Values for the launch commands' {placeholders} (see peer_configs)."""
     n = os.cpu_count() or 1
-    servers = sorted(glob.glob(os.path.join(peers, "llamacpp", "**", "llama-server"), recursive=True))
     # vLLM's CPU guide asks for tcmalloc and Intel's OpenMP preloaded.
     preload = [p for pat in ("/usr/lib/*/libtcmalloc_minimal.so.4", os.path.join(peers, "vllm", "lib", "libiomp5.so"),
                              os.path.join(peers, "vllm", "lib", "python*", "site-packages", "**", "libiomp5.so"))
                for p in sorted(glob.glob(pat, recursive=True))[:1]]  # fmt: skip
     return {"port": str(port), "model_dir": model_dir, "peers": peers, "python": sys.executable,
-            "threads": str(n), "last_cpu": str(n - 1), "llama_server": servers[0] if servers else "llama-server",
+            "threads": str(n), "last_cpu": str(n - 1), "llama_server": find_llama_server(peers),
             "vllm_preload": ":".join(preload[:2])}  # fmt: skip
 
 
@@ -159,7 +162,7 @@ def measure(records, requests, duration: float) -> tuple[dict, rep.TokenCheck]:
 
 def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs, log_path: str,
             model_cfg: ModelConfig) -> dict:
-    cfg = LoadConfig(base_url=f"http://127.0.0.1:{values['port']}", endpoint="openai", model=MODEL_NAME,
+    cfg = LoadConfig(base_url=f"http://127.0.0.1:{values['port']}", endpoint="openai", model=a.served_model_name,
                      max_concurrency=a.concurrency, seed=a.seed, progress=not a.no_progress, keepalive=False)  # fmt: skip
     idle = cpu_idle.wait_idle(a.idle_load, a.idle_wait_s)
     if not idle["idle"]:
@@ -234,7 +237,7 @@ def run_compare(a) -> dict:
     from pagemill.bench.cli import resolve_model_dir
 
     cpu = cpu_info()
-    configs = select(a.servers, set(cpu["flags"]), a.pagemill, a.server)
+    configs = select(a.servers, set(cpu["flags"]), a.pagemill, a.server, resolve_args(a))
     model_dir = resolve_model_dir(a.model_dir)
     model_cfg = ModelConfig.from_model_dir(model_dir)
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))
@@ -264,12 +267,14 @@ def run_compare(a) -> dict:
                 _log(f"  failed: {type(e).__name__}: {e}")
                 r = {"failed": f"{type(e).__name__}: {e}"}
             entry["runs"].append(r)
-            write(res, a.out, a.merge)
+            write(res, a.out, a.merge, record=False)
     return write(res, a.out, a.merge)
 
 
-def write(res: dict, out: str, merge: str | None = None) -> dict:
-    """results JSON, table and plot from whatever runs exist so far."""
+def write(res: dict, out: str, merge: str | None = None, record: bool = True) -> dict:
+    """The latest run's files in `out` (compare.json, compare.md, compare.png: replaced by each
+    call, so they show whatever runs exist so far) and, with `record`, one row of its headline
+    figures appended to `out`/history.jsonl (bench/history.py): the run's record over time."""
     servers = list(res["servers"])
     if merge:  # servers of an earlier compare that this one did not re-run
         with open(merge) as f:
@@ -294,4 +299,7 @@ def write(res: dict, out: str, merge: str | None = None) -> dict:
         compare_plot(servers, rep.cpu_line(res["cpu"]), res["args"]["concurrency"], os.path.join(out, "compare.png"))
     except ImportError as e:  # matplotlib is in the optional `bench` extra
         _log(f"no plot: {e}")
+    if record:
+        path = history.append_history(out, history.history_row(res, history.git_commit()))
+        _log(f"history: {path}")
     return res

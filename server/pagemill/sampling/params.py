@@ -21,23 +21,14 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) added to the logits; OpenAI's logit_bias
 
     @property
-    def has_warpers(self) -> bool:
-        return (
-            self.temperature not in (0.0, 1.0)
-            or self.top_k > 0
-            or self.top_p < 1.0
-            or self.typical_p < 1.0
-            or self.min_p > 0.0
-        )
-
-    @property
     def greedy(self) -> bool:
-        """Argmax instead of a draw.
+        """Argmax instead of a draw: exactly when do_sample is off.
 
-        Temperature 0 is greedy (OpenAI). Otherwise we sample when do_sample is
-        set or any warper is set (TGI's rule: asking for top_p implies sampling).
+        The router decides do_sample (router/src/validation.rs folds TGI's rule
+        that any sampling knob implies sampling into it); the shard obeys the
+        flag. Temperature 0 is argmax too: there is no distribution to draw from.
         """
-        return self.temperature == 0.0 or not (self.do_sample or self.has_warpers)
+        return self.temperature == 0.0 or not self.do_sample
 
     @property
     def has_penalties(self) -> bool:

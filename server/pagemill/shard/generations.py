@@ -1,5 +1,11 @@
 """What one step produced per request, and turning it into a pb.Generation.
 
+The one place a request finishes on length, EOS or a stop token: the router
+sends the stopping criteria (what is left of max_new_tokens, ignore_eos,
+min_new_tokens, stop_token_ids), takes the finish reason from here, and only
+checks that a reply never runs past max_new_tokens. Stop strings are text,
+matched by the router's per-request stream (router/src/stream.rs).
+
 A request finishes on EOS (unless ignore_eos_token; a constrained request
 always ends on the EOS its finished grammar forces), on one of its
 stop_token_ids, or when it has generated max_new_tokens; EOS and stop tokens

@@ -2,7 +2,7 @@
 //! system prompt becomes a system message, `tool_result` blocks become
 //! `tool` messages, `tool_use` blocks become the assistant's `tool_calls`,
 //! tools and tool_choice their OpenAI forms. Everything after that (template,
-//! sampling, tool parsing, grammar) is the chat path's.
+//! sampling, tool parsing, grammar) is the chat pipeline's (http/chat/).
 
 use serde_json::{json, Value};
 
@@ -151,6 +151,7 @@ pub fn to_chat(req: &MessagesRequest) -> Result<ChatCompletionRequest, RouterErr
         tool_choice,
         parallel_tool_calls,
         chat_template_kwargs: None,
+        ..Default::default()
     })
 }
 

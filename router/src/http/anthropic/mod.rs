@@ -1,9 +1,9 @@
 //! Anthropic Messages API, `POST /v1/messages`: translated into a chat
 //! request (`convert`), generated and split into reasoning, text and tool
-//! calls by the chat path, and answered in Anthropic's shapes.
+//! calls by the chat pipeline (http/chat/), and answered in Anthropic's shapes.
 
 mod convert;
-mod stream;
+mod events;
 pub mod types;
 
 use axum::extract::State;
@@ -11,21 +11,16 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use super::chat::prepare::{prepare, PreparedChat};
+use super::chat::reply::{self, StreamSplitter};
 use super::extract::JsonBody;
-use super::openai::prepare::{prepare, PreparedChat};
-use super::openai::reply::{self, StreamSplitter};
-use super::openai::stream::{self as chat_stream, ChoiceEvent, ChoiceMsg, Framing};
-use super::openai::ResponseMeta;
-use super::types::FinishReason;
+use super::response_meta::ResponseMeta;
+use super::sse::{self, ChoiceEvent, ChoiceMsg, Framing};
 use super::AppState;
 use crate::error::{AnthropicErrorBody, RouterError};
 use crate::http::tenant::Tenant;
-use types::{MessagesRequest, MessagesResponse, MessagesUsage, OutputBlock};
-
-/// Anthropic's tool-use ids look like `toolu_...`; the random part is the call id's.
-pub fn tool_use_id(call_id: &str) -> String {
-    format!("toolu_{}", call_id.trim_start_matches("call_"))
-}
+use crate::response::FinishReason;
+use types::{tool_use_id, MessagesRequest, MessagesResponse, MessagesUsage, OutputBlock};
 
 fn stop_reason(finish: &FinishReason, made_calls: bool) -> &'static str {
     match finish {
@@ -72,7 +67,7 @@ pub async fn messages(
         let start = json!({"id": meta.id, "type": "message", "role": "assistant", "model": req.model,
             "content": [], "stop_reason": null, "stop_sequence": null,
             "usage": {"input_tokens": prompt_tokens, "output_tokens": 0}});
-        let mut events = stream::MessageEvents::new(start);
+        let mut events = events::MessageEvents::new(start);
         let mut splitter = StreamSplitter::new(plan.as_ref(), think);
         let chunk = move |msg: &ChoiceMsg| {
             let (token, generated) = match &msg.event {
@@ -85,7 +80,7 @@ pub async fn messages(
             events.step(step, end)
         };
         let handles = handles.into_iter().map(|h| (0, h)).collect();
-        return Ok(chat_stream::sse(handles, prompt_tokens, Box::new(chunk), None, FRAMING));
+        return Ok(sse::sse(handles, prompt_tokens, Box::new(chunk), None, FRAMING));
     }
 
     let r = app.infer.generate_one(input).await?;

@@ -4,6 +4,11 @@
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+/// Anthropic's tool-use ids look like `toolu_...`; the random part is the call id's.
+pub fn tool_use_id(call_id: &str) -> String {
+    format!("toolu_{}", call_id.trim_start_matches("call_"))
+}
+
 #[derive(Debug, Clone, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct MessagesRequest {

@@ -2,23 +2,32 @@
 //! list of prompts (text or token ids), `n` choices each; choice `i` of
 //! prompt `p` has index `p * n + i`.
 
+use std::sync::Arc;
+
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use tokenizers::Tokenizer;
 
-use super::stream::{self, ChoiceEvent, ChoiceMsg};
 use super::types::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput, Usage};
-use super::{logprobs, ResponseMeta};
+use super::{logprobs, OPENAI};
 use crate::error::{OpenAiErrorBody, RouterError};
+use crate::grammar::GrammarParam;
 use crate::http::extract::OpenAiJson;
+use crate::http::response_meta::ResponseMeta;
+use crate::http::sse::{self, json_event, ChoiceEvent, ChoiceMsg, UsageFn};
 use crate::http::tenant::Tenant;
-use crate::http::types::PrefillToken;
 use crate::http::{headers, AppState};
-use crate::infer::GenerateInput;
+use crate::infer::{GenerateInput, InferResponse};
+use crate::request::GenerateParameters;
+use crate::response::PrefillToken;
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())
 }
+
+/// One prompt: its text (for `echo`), and its token ids when given as ids.
+type Prompt = (String, Option<Vec<u32>>);
 
 /// Text completion (OpenAI API).
 #[utoipa::path(post, path = "/v1/completions", tag = "OpenAI", request_body = CompletionRequest,
@@ -39,88 +48,27 @@ pub async fn completions(
 ) -> Result<Response, RouterError> {
     tenant.fill(&mut req.sampling.user);
     let tokenizer = app.infer.validation().tokenizer().clone();
-    // The text of each prompt (for `echo`), and its token ids when given as ids.
-    let prompts: Vec<(String, Option<Vec<u32>>)> = req
-        .prompt
-        .clone()
-        .into_inputs()
-        .into_iter()
-        .map(|p| match p {
-            PromptInput::Text(t) => (t, None),
-            PromptInput::Ids(ids) => (tokenizer.decode(&ids, false).unwrap_or_default(), Some(ids)),
-        })
-        .collect();
-    if prompts.is_empty() {
-        return Err(invalid("`prompt` must not be empty"));
-    }
-    // Each prompt holds a concurrency permit: a list longer than the limit
-    // could never be served, and a 429 would have clients retry it forever.
-    let max_prompts = app.info.max_concurrent_requests as usize;
-    if prompts.len() > max_prompts {
-        return Err(invalid(format!(
-            "`prompt` lists at most {max_prompts} prompts (--max-concurrent-requests). Given: {}",
-            prompts.len()
-        )));
-    }
-    let max_top = app.infer.validation().limits().max_top_n_tokens;
-    if let Some(k) = req.logprobs.filter(|&k| k > max_top) {
-        return Err(invalid(format!("`logprobs` must be <= {max_top}. Given: {k}")));
-    }
-    if req.echo && req.sampling.stream {
-        return Err(invalid("`echo` is not supported with `stream`"));
-    }
-    let want_prompt_logprobs = match req.prompt_logprobs {
-        None => false,
-        Some(0) if req.sampling.stream => return Err(invalid("`prompt_logprobs` is not supported with `stream`")),
-        Some(0) => true,
-        Some(k) => {
-            let why = "the prompt tokens' own logprobs; alternatives are not computed";
-            return Err(invalid(format!("`prompt_logprobs` must be 0 ({why}). Given: {k}")));
-        }
-    };
-    let mut parameters = req.sampling.to_parameters(req.sampling.max_tokens, req.logprobs)?;
+    let prompts = prompts(&req, &tokenizer);
+    check(&app, &req, prompts.len())?;
+    let want_prompt_logprobs = prompt_logprobs_wanted(&req)?;
+    let mut parameters = parameters(&req)?;
     parameters.decoder_input_details = want_prompt_logprobs;
     let n = req.sampling.n.unwrap_or(1);
     let meta = ResponseMeta::new(&app, "cmpl");
-    let inputs = |(text, ids): &(String, Option<Vec<u32>>)| GenerateInput {
-        // Token ids are the whole prompt: no BOS is added in front of them.
-        add_special_tokens: ids.is_none(),
-        input_ids: ids.clone(),
-        ..GenerateInput::new(text.clone(), parameters.clone())
-    };
-
+    let inputs: Vec<GenerateInput> = prompts
+        .iter()
+        .map(|(text, ids)| GenerateInput {
+            // Token ids are the whole prompt: no BOS is added in front of them.
+            add_special_tokens: ids.is_none(),
+            input_ids: ids.clone(),
+            ..GenerateInput::new(text.clone(), parameters.clone())
+        })
+        .collect();
     if req.sampling.stream {
-        let mut handles = Vec::new();
-        let mut prompt_tokens = 0;
-        for (p, prompt) in prompts.iter().enumerate() {
-            let hs = app.infer.generate_streams(inputs(prompt), n, "n").await?;
-            prompt_tokens += hs.first().map_or(0, |h| h.request.input_ids.len() as u32);
-            handles.extend(hs.into_iter().enumerate().map(|(i, h)| ((p as u32) * n + i as u32, h)));
-        }
-        let want_logprobs = req.logprobs.is_some();
-        let chunk_meta = meta.clone();
-        let chunk = move |msg: &ChoiceMsg| {
-            let (token, top, finish) = match &msg.event {
-                ChoiceEvent::Token { token, top_tokens } => (token, top_tokens, None),
-                ChoiceEvent::End { token, top_tokens, generated } => {
-                    (token, top_tokens, Some(generated.finish_reason.openai().to_string()))
-                }
-            };
-            let text = if token.special { String::new() } else { token.text.clone() };
-            let logprobs = want_logprobs
-                .then(|| logprobs::completion(&tokenizer, std::slice::from_ref(token), std::slice::from_ref(top), 0));
-            let choice =
-                CompletionChoice { index: msg.index, text, logprobs, prompt_logprobs: None, finish_reason: finish };
-            vec![stream::chunk_event(&response_of(&chunk_meta, vec![choice], None))]
-        };
-        let usage = req.sampling.include_usage().then(|| {
-            Box::new(move |u: Usage| stream::chunk_event(&response_of(&meta, vec![], Some(u)))) as stream::UsageFn
-        });
-        return Ok(stream::sse(handles, prompt_tokens, Box::new(chunk), usage, stream::OPENAI));
+        return stream(&app, &req, inputs, n, meta, tokenizer).await;
     }
-
     let per_prompt =
-        futures::future::try_join_all(prompts.iter().map(|p| app.infer.generate_n(inputs(p), n, "n"))).await?;
+        futures::future::try_join_all(inputs.into_iter().map(|input| app.infer.generate_n(input, n, "n"))).await?;
     let prompt_tokens = per_prompt.iter().filter_map(|rs| rs.first()).map(|r| r.input_length).sum();
     let completion_tokens = per_prompt.iter().flatten().map(|r| r.generated_text.generated_tokens).sum();
     let headers = per_prompt
@@ -130,21 +78,147 @@ pub async fn completions(
         .unwrap_or_default();
     let mut choices = Vec::new();
     for (p, responses) in per_prompt.iter().enumerate() {
+        let echo = if req.echo { prompts[p].0.as_str() } else { "" };
         for (i, r) in responses.iter().enumerate() {
-            let echo = if req.echo { prompts[p].0.as_str() } else { "" };
-            choices.push(CompletionChoice {
-                index: (p as u32) * n + i as u32,
-                text: format!("{echo}{}", r.generated_text.text),
-                logprobs: req
-                    .logprobs
-                    .map(|_| logprobs::completion(&tokenizer, &r.tokens, &r.top_tokens, echo.chars().count())),
-                prompt_logprobs: want_prompt_logprobs.then(|| prompt_logprobs(&r.prefill)),
-                finish_reason: Some(r.generated_text.finish_reason.openai().to_string()),
-            });
+            let index = (p as u32) * n + i as u32;
+            choices.push(whole_choice(index, r, &req, echo, want_prompt_logprobs, &tokenizer));
         }
     }
     let body = response_of(&meta, choices, Some(Usage::new(prompt_tokens, completion_tokens)));
     Ok((headers, Json(body)).into_response())
+}
+
+/// The prompts of a request, text or token ids (decoded for `echo`).
+fn prompts(req: &CompletionRequest, tokenizer: &Tokenizer) -> Vec<Prompt> {
+    req.prompt
+        .clone()
+        .into_inputs()
+        .into_iter()
+        .map(|p| match p {
+            PromptInput::Text(t) => (t, None),
+            PromptInput::Ids(ids) => (tokenizer.decode(&ids, false).unwrap_or_default(), Some(ids)),
+        })
+        .collect()
+}
+
+/// What this route (and its render) refuses before generating anything.
+pub(super) fn check(app: &AppState, req: &CompletionRequest, num_prompts: usize) -> Result<(), RouterError> {
+    if num_prompts == 0 {
+        return Err(invalid("`prompt` must not be empty"));
+    }
+    // Each prompt holds a concurrency permit: a list longer than the limit
+    // could never be served, and a 429 would have clients retry it forever.
+    let max_prompts = app.info.max_concurrent_requests as usize;
+    if num_prompts > max_prompts {
+        return Err(invalid(format!(
+            "`prompt` lists at most {max_prompts} prompts (--max-concurrent-requests). Given: {num_prompts}"
+        )));
+    }
+    let max_top = app.infer.validation().limits().max_top_n_tokens;
+    if let Some(k) = req.logprobs.filter(|&k| k > max_top) {
+        return Err(invalid(format!("`logprobs` must be <= {max_top}. Given: {k}")));
+    }
+    if req.echo && req.sampling.stream {
+        return Err(invalid("`echo` is not supported with `stream`"));
+    }
+    check_engine_fields(req)
+}
+
+/// The generation parameters; SGLang's `json_schema` is one more way to give the grammar.
+pub fn parameters(req: &CompletionRequest) -> Result<GenerateParameters, RouterError> {
+    let mut parameters = req.sampling.to_parameters(req.sampling.max_tokens, req.logprobs)?;
+    if let Some(schema) = req.json_schema.clone().filter(|s| !s.is_null()) {
+        if parameters.grammar.is_some() {
+            return Err(invalid("`json_schema` cannot be combined with another constraint: give one"));
+        }
+        parameters.grammar = Some(GrammarParam::Json(schema));
+    }
+    Ok(parameters)
+}
+
+/// `suffix` (fill-in-the-middle) and `best_of` above `n` are not done.
+fn check_engine_fields(req: &CompletionRequest) -> Result<(), RouterError> {
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(RouterError::Unsupported("`suffix`: fill-in-the-middle is not supported".into()));
+    }
+    let n = req.sampling.n.unwrap_or(1);
+    match req.best_of {
+        Some(b) if b < n => Err(invalid(format!("`best_of` must be >= `n`. Given: best_of {b}, n {n}"))),
+        Some(b) if b > n => Err(RouterError::Unsupported(format!(
+            "`best_of`: only equal to `n` (every generated choice is returned). Given: best_of {b}, n {n}"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// `prompt_logprobs`: only 0 (the prompt tokens' own logprobs), and not streamed.
+fn prompt_logprobs_wanted(req: &CompletionRequest) -> Result<bool, RouterError> {
+    match req.prompt_logprobs {
+        None => Ok(false),
+        Some(0) if req.sampling.stream => Err(invalid("`prompt_logprobs` is not supported with `stream`")),
+        Some(0) => Ok(true),
+        Some(k) => {
+            let why = "the prompt tokens' own logprobs; alternatives are not computed";
+            Err(invalid(format!("`prompt_logprobs` must be 0 ({why}). Given: {k}")))
+        }
+    }
+}
+
+fn whole_choice(
+    index: u32,
+    r: &InferResponse,
+    req: &CompletionRequest,
+    echo: &str,
+    want_prompt_logprobs: bool,
+    tokenizer: &Tokenizer,
+) -> CompletionChoice {
+    CompletionChoice {
+        index,
+        text: format!("{echo}{}", r.generated_text.text),
+        logprobs: req.logprobs.map(|_| logprobs::completion(tokenizer, &r.tokens, &r.top_tokens, echo.chars().count())),
+        prompt_logprobs: want_prompt_logprobs.then(|| prompt_logprobs(&r.prefill)),
+        finish_reason: Some(r.generated_text.finish_reason.openai().to_string()),
+    }
+}
+
+/// `text_completion` chunks, one per token of each choice, then usage if asked.
+async fn stream(
+    app: &AppState,
+    req: &CompletionRequest,
+    inputs: Vec<GenerateInput>,
+    n: u32,
+    meta: ResponseMeta,
+    tokenizer: Arc<Tokenizer>,
+) -> Result<Response, RouterError> {
+    let mut handles = Vec::new();
+    let mut prompt_tokens = 0;
+    for (p, input) in inputs.into_iter().enumerate() {
+        let hs = app.infer.generate_streams(input, n, "n").await?;
+        prompt_tokens += hs.first().map_or(0, |h| h.request.input_ids.len() as u32);
+        handles.extend(hs.into_iter().enumerate().map(|(i, h)| ((p as u32) * n + i as u32, h)));
+    }
+    let want_logprobs = req.logprobs.is_some();
+    let chunk_meta = meta.clone();
+    let chunk = move |msg: &ChoiceMsg| {
+        let (token, top, finish) = match &msg.event {
+            ChoiceEvent::Token { token, top_tokens } => (token, top_tokens, None),
+            ChoiceEvent::End { token, top_tokens, generated } => {
+                (token, top_tokens, Some(generated.finish_reason.openai().to_string()))
+            }
+        };
+        let text = if token.special { String::new() } else { token.text.clone() };
+        let logprobs = want_logprobs
+            .then(|| logprobs::completion(&tokenizer, std::slice::from_ref(token), std::slice::from_ref(top), 0));
+        let choice =
+            CompletionChoice { index: msg.index, text, logprobs, prompt_logprobs: None, finish_reason: finish };
+        vec![json_event(&response_of(&chunk_meta, vec![choice], None))]
+    };
+    let usage = req.sampling.include_usage().then(|| {
+        let usage =
+            move |prompt, completion| json_event(&response_of(&meta, vec![], Some(Usage::new(prompt, completion))));
+        Box::new(usage) as UsageFn
+    });
+    Ok(sse::sse(handles, prompt_tokens, Box::new(chunk), usage, OPENAI))
 }
 
 /// vLLM's shape: per prompt token `{"<id>": {"logprob", "decoded_token"}}`, `null`

@@ -5,7 +5,7 @@
 use tokenizers::Tokenizer;
 
 use super::types::{ChatLogprob, CompletionLogprobs, TopLogprob};
-use crate::http::types::Token;
+use crate::response::Token;
 
 fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
     tokenizer.decode(&[id], false).unwrap_or_default()

@@ -4,51 +4,29 @@
 
 pub mod chat;
 pub mod completions;
+pub mod engine_fields;
 mod logprobs;
-pub mod prepare;
-pub mod reply;
-pub mod stream;
+pub mod render;
+pub mod structured_outputs;
 pub mod types;
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{SystemTime, UNIX_EPOCH};
-
 use axum::extract::State;
+use axum::response::sse::Event;
 use axum::Json;
 
-use super::types::{GenerateParameters, SamplingExtras};
+use super::sse::{json_event, Framing};
 use super::AppState;
 use crate::error::{OpenAiErrorBody, RouterError};
+use crate::request::{GenerateParameters, SamplingExtras};
 use types::{ModelCard, ModelList, SamplingParams};
 
-/// What every response and chunk of one request repeats.
-#[derive(Debug, Clone)]
-pub struct ResponseMeta {
-    pub id: String,
-    pub created: u64,
-    pub model: String,
-    pub system_fingerprint: String,
+fn error_event(e: &RouterError) -> Event {
+    json_event(&e.openai_body())
 }
 
-static NEXT_ID: AtomicU64 = AtomicU64::new(0);
-
-impl ResponseMeta {
-    pub fn new(app: &AppState, prefix: &str) -> Self {
-        let created = unix_now();
-        // Unique per process and readable; not a secret.
-        let id = format!("{prefix}-{created:x}{:06x}", NEXT_ID.fetch_add(1, Ordering::Relaxed));
-        Self {
-            id,
-            created,
-            model: app.info.model_id.clone(),
-            system_fingerprint: format!("pagemill-{}-{}", app.info.version, app.info.model_dtype),
-        }
-    }
-}
-
-pub fn unix_now() -> u64 {
-    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs())
-}
+/// OpenAI's streams: errors in its shape, `data: [DONE]` at the end (Chat
+/// and Completions; the Responses API has no `[DONE]`).
+pub const OPENAI: Framing = Framing { error: error_event, done: true };
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())
@@ -72,6 +50,7 @@ impl SamplingParams {
                 return Err(invalid(format!("`max_tokens` must be strictly positive, got {m}")));
             }
         }
+        self.engine.check()?;
         let greedy = self.temperature == Some(0.0);
         let sample = |v| if greedy { None } else { v };
         Ok(GenerateParameters {
@@ -82,20 +61,21 @@ impl SamplingParams {
             do_sample: !greedy,
             max_new_tokens: max_tokens,
             stop: self.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
-            seed: self.seed,
+            seed: self.engine.seed(self.seed)?,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             repetition_penalty: self.repetition_penalty,
             top_n_tokens: top_n_tokens.map(i64::from),
-            grammar: self.response_format.as_ref().and_then(|f| f.to_grammar()),
+            grammar: self.engine.grammar(self.response_format.as_ref())?,
             ignore_eos_token: self.ignore_eos,
             priority: self.priority,
-            user: self.user.clone(),
+            user: self.user.clone().or_else(|| self.engine.safety_identifier.clone()),
             extras: SamplingExtras {
                 min_new_tokens: self.min_tokens,
                 stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
                 logit_bias: self.logit_bias.iter().flatten().map(|(k, v)| (k.clone(), *v)).collect(),
                 lark: None,
+                text: self.engine.text_options()?,
             },
             ..Default::default()
         })

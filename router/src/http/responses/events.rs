@@ -7,9 +7,9 @@
 use axum::response::sse::Event;
 use serde_json::{json, Value};
 
+use super::items::{call_item, call_item_id, message_item, reasoning_item};
 use super::types::ResponseObject;
-use super::{call_item, call_item_id, message_item, reasoning_item};
-use crate::http::openai::reply::{CallDelta, StepDelta};
+use crate::http::chat::reply::{CallDelta, StepDelta};
 
 pub struct ResponseEvents {
     obj: ResponseObject,

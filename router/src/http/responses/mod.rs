@@ -1,10 +1,11 @@
 //! OpenAI Responses API, `POST /v1/responses`, stateless: translated into a
-//! chat request (`convert`), generated and split by the chat path, and
+//! chat request (`convert`), generated and split by the chat pipeline (http/chat/), and
 //! answered as a response object with output items, or as its typed
 //! streaming events. Errors have OpenAI's shape (the `openai_errors` layer).
 
 mod convert;
 mod events;
+mod items;
 pub mod types;
 
 use axum::extract::State;
@@ -12,36 +13,18 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use super::chat::prepare::{prepare, PreparedChat};
+use super::chat::reply::{self, StreamSplitter};
 use super::extract::JsonBody;
-use super::openai::prepare::{prepare, PreparedChat};
-use super::openai::reply::{self, StreamSplitter};
-use super::openai::stream::{self as chat_stream, ChoiceEvent, ChoiceMsg, OPENAI};
-use super::openai::{unix_now, ResponseMeta};
-use super::types::FinishReason;
+use super::openai::OPENAI;
+use super::response_meta::{unix_now, ResponseMeta};
+use super::sse::{self, ChoiceEvent, ChoiceMsg, Framing};
 use super::AppState;
 use crate::error::{OpenAiErrorBody, RouterError};
 use crate::http::tenant::Tenant;
+use crate::response::FinishReason;
+use items::{call_item, message_item, reasoning_item};
 use types::{ResponseObject, ResponsesRequest};
-
-pub fn message_item(id: &str, text: &str, status: &str) -> Value {
-    json!({"type": "message", "id": id, "status": status, "role": "assistant",
-           "content": if status == "completed" || !text.is_empty() {
-               json!([{"type": "output_text", "text": text, "annotations": []}]) } else { json!([]) }})
-}
-
-/// `fc_...` for the call `call_...`.
-pub fn call_item_id(call_id: &str) -> String {
-    format!("fc_{}", call_id.trim_start_matches("call_"))
-}
-
-pub fn call_item(call_id: &str, name: &str, arguments: &str, status: &str) -> Value {
-    json!({"type": "function_call", "id": call_item_id(call_id),
-           "call_id": call_id, "name": name, "arguments": arguments, "status": status})
-}
-
-pub fn reasoning_item(id: &str, text: &str) -> Value {
-    json!({"type": "reasoning", "id": id, "summary": [], "content": [{"type": "reasoning_text", "text": text}]})
-}
 
 fn usage(input: u32, output: u32) -> Value {
     json!({"input_tokens": input, "input_tokens_details": {"cached_tokens": 0},
@@ -138,8 +121,8 @@ pub async fn responses(
             out
         };
         let handles = handles.into_iter().map(|h| (0, h)).collect();
-        let framing = chat_stream::Framing { done: false, ..OPENAI };
-        return Ok(chat_stream::sse(handles, prompt_tokens, Box::new(chunk), None, framing));
+        let framing = Framing { done: false, ..OPENAI };
+        return Ok(sse::sse(handles, prompt_tokens, Box::new(chunk), None, framing));
     }
 
     let r = app.infer.generate_one(input).await?;

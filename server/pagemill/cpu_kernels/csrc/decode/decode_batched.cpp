@@ -20,7 +20,7 @@
 //
 // Bit for bit the module path (models/llama.py with packed_linear's GEMM and
 // the row kernels): the same bf16 roundings at the same places (bf16 residual
-// stream, bf16 intermediates), the same functions (bf16_row_ops.h, gemm.h's
+// stream, bf16 intermediates), the same functions (bf16_row_ops.h, gemm_bf16.h's
 // tiles, attend_batch, prefill_batch), whose results do not depend on how
 // threads split the work. tests/test_batched_decode.py compares the two
 // exactly.

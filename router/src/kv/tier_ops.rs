@@ -1,0 +1,204 @@
+//! The KV manager's plan of second-tier ops: which pool blocks to save under
+//! which key, which keys to delete, which prompt blocks to load instead of
+//! computing (where the measured costs say loading is cheaper), and the
+//! counts behind the tier metrics. The shard executes the ops
+//! (server/pagemill/shard/kv_tier.py); nothing here does I/O.
+
+use std::collections::HashMap;
+use std::ops::Range;
+
+use super::tier_index::{chain_keys, Key, TierIndex};
+use crate::proto::pb;
+
+/// Rates the shard measured: the router loads a hit only when that is
+/// cheaper than computing the same tokens again.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TierCosts {
+    pub block_bytes: u64,
+    pub load_bytes_per_s: f64,
+    pub prefill_tokens_per_s: f64,
+}
+
+impl TierCosts {
+    /// Seconds to load one block, and to recompute it.
+    pub fn load_s(&self) -> f64 {
+        if self.load_bytes_per_s > 0.0 {
+            self.block_bytes as f64 / self.load_bytes_per_s
+        } else {
+            0.0
+        }
+    }
+
+    pub fn recompute_s(&self, block_size: u32) -> f64 {
+        if self.prefill_tokens_per_s > 0.0 {
+            block_size as f64 / self.prefill_tokens_per_s
+        } else {
+            f64::INFINITY
+        }
+    }
+
+    pub fn load_is_cheaper(&self, block_size: u32) -> bool {
+        self.load_s() < self.recompute_s(block_size)
+    }
+}
+
+/// What the shard reported of its tier at warmup.
+#[derive(Debug, Clone)]
+pub struct TierConfig {
+    pub namespace: String,
+    pub capacity_blocks: u32,
+    /// Already stored (a restart), least recently used first.
+    pub keys: Vec<Key>,
+    pub costs: TierCosts,
+}
+
+impl TierConfig {
+    pub fn from_warmup(t: &pb::KvTier) -> Self {
+        Self {
+            namespace: t.namespace.clone(),
+            capacity_blocks: t.capacity_blocks,
+            keys: t.keys.clone(),
+            costs: TierCosts {
+                block_bytes: t.block_bytes,
+                load_bytes_per_s: t.load_bytes_per_s,
+                prefill_tokens_per_s: t.prefill_tokens_per_s,
+            },
+        }
+    }
+}
+
+/// Ops for the next step, in the order the shard runs them: saves, then
+/// (the plan's loads, then) deletes.
+#[derive(Debug, Default)]
+pub struct TierOps {
+    pub saves: Vec<pb::KvSave>,
+    pub deletes: Vec<Key>,
+}
+
+/// Cumulative counts (blocks), for /metrics.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct TierStats {
+    pub stored: u64,
+    pub hit_blocks: u64,
+    pub miss_blocks: u64,
+    /// Hits not taken: recomputing was measured cheaper than loading.
+    pub skipped_blocks: u64,
+    pub saved_blocks: u64,
+    pub forgotten: u64,
+    pub block_bytes: u64,
+}
+
+#[derive(Debug)]
+pub struct SecondTier {
+    namespace: String,
+    block_size: u32,
+    index: TierIndex,
+    costs: TierCosts,
+    /// Key of every pool block the radix tree indexes, for saving on eviction.
+    key_of: HashMap<u32, Key>,
+    ops: TierOps,
+    stats: TierStats,
+}
+
+impl SecondTier {
+    pub fn new(config: TierConfig, block_size: u32) -> Self {
+        let (index, over) = TierIndex::new(config.capacity_blocks as usize, config.keys);
+        let stats = TierStats { block_bytes: config.costs.block_bytes, ..Default::default() };
+        Self {
+            namespace: config.namespace,
+            block_size,
+            index,
+            costs: config.costs,
+            key_of: HashMap::new(),
+            ops: TierOps { saves: Vec::new(), deletes: over },
+            stats,
+        }
+    }
+
+    fn keys(&self, tokens: &[u32], n: usize) -> Vec<Key> {
+        chain_keys(&self.namespace, tokens, self.block_size as usize, n)
+    }
+
+    /// `tokens` (full blocks) live in `blocks`; the radix tree just indexed
+    /// `added` of them. Those the tier lacks are saved.
+    pub fn commit(&mut self, tokens: &[u32], blocks: &[u32], added: Range<usize>) {
+        let keys = self.keys(tokens, added.end);
+        for i in added {
+            let key = keys[i].clone();
+            self.key_of.insert(blocks[i], key.clone());
+            self.save(blocks[i], key);
+        }
+    }
+
+    fn save(&mut self, block: u32, key: Key) {
+        if self.index.touch(&key) {
+            return;
+        }
+        let over = self.index.insert(key.clone());
+        // The shard runs a step's saves before its deletes: within one batch
+        // the last word on a key must win, so drop what it contradicts.
+        self.ops.deletes.retain(|k| *k != key);
+        self.ops.saves.retain(|s| !over.contains(&s.key));
+        self.ops.saves.push(pb::KvSave { block_id: block, key });
+        self.ops.deletes.extend(over);
+        self.stats.saved_blocks += 1;
+    }
+
+    /// The radix tree dropped `block`: saved unless the tier still has it.
+    pub fn evicted(&mut self, block: u32) {
+        if let Some(key) = self.key_of.remove(&block) {
+            self.save(block, key);
+        }
+    }
+
+    /// Keys of blocks `from..max` of `tokens` the tier holds, consecutive from `from`.
+    pub fn hits(&mut self, tokens: &[u32], from: usize, max: usize) -> Vec<Key> {
+        let keys = self.keys(tokens, max);
+        let found: Vec<Key> = keys[from..].iter().take_while(|k| self.index.contains(k)).cloned().collect();
+        self.stats.miss_blocks += (max - from - found.len()) as u64;
+        if !self.costs.load_is_cheaper(self.block_size) {
+            self.stats.skipped_blocks += found.len() as u64;
+            return Vec::new();
+        }
+        for k in &found {
+            self.index.touch(k);
+        }
+        self.stats.hit_blocks += found.len() as u64;
+        found
+    }
+
+    pub fn has_ops(&self) -> bool {
+        !(self.ops.saves.is_empty() && self.ops.deletes.is_empty())
+    }
+
+    pub fn take_ops(&mut self) -> TierOps {
+        std::mem::take(&mut self.ops)
+    }
+
+    pub fn forget<'a>(&mut self, keys: impl IntoIterator<Item = &'a String>) {
+        for k in keys {
+            self.stats.forgotten += self.index.remove(k) as u64;
+        }
+    }
+
+    pub fn costs(&self) -> TierCosts {
+        self.costs
+    }
+
+    pub fn stats(&self) -> TierStats {
+        TierStats { stored: self.index.len() as u64, ..self.stats }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn load_only_when_cheaper() {
+        let c = TierCosts { block_bytes: 1000, load_bytes_per_s: 1e6, prefill_tokens_per_s: 1000.0 };
+        assert!(c.load_is_cheaper(16)); // 1 ms < 16 ms
+        let slow = TierCosts { load_bytes_per_s: 1e4, ..c }; // 100 ms > 16 ms
+        assert!(!slow.load_is_cheaper(16));
+    }
+}
