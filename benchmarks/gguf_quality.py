@@ -2,6 +2,7 @@
 float32 reference on the same file.
 
     PYTHONPATH=server python3 benchmarks/gguf_quality.py [--types Q8_0,Q4_0,...] [--prompts 8] [--tokens 16]
+    PYTHONPATH=server python3 benchmarks/gguf_quality.py --files a.gguf,b.gguf --text-tokens 256
 
 Files: SmolLM2-135M (the default model's HF directory, ensure_default_model(): its float32
 weights are the Q4_1 file's, dequantized) written to F32 and to each type; with llama.cpp's
@@ -15,7 +16,10 @@ Gemma 3 270M Q4_K_M as shipped. Per file:
 - top-1 agreement with the reference on that text (teacher-forced);
 - greedy agreement: N prompts x T greedy tokens, tokens equal to the reference's up to the first
   divergence (mean share) and whole continuations identical.
-Writes benchmarks/results/gguf-quality/latest.json and latest.md (the table).
+--files measures the named GGUF files as they are instead (no SmolLM2 files are written);
+--text-tokens keeps the first N tokens of the text (a shorter, cheaper perplexity).
+Writes benchmarks/results/gguf-quality/latest.json and latest.md (the table) and appends the
+run to history.jsonl.
 """
 
 from __future__ import annotations
@@ -173,21 +177,27 @@ def main() -> None:
     p.add_argument("--no-gemma", action="store_true", help="skip the real Gemma 3 270M Q4_K_M file")
     p.add_argument("--no-kernels", action="store_true", help="the torch path even where the kernels are built")
     p.add_argument("--work", default="/tmp/pagemill-gguf-quality", help="where the SmolLM2 files are written")
+    p.add_argument("--files", default="", help="comma-separated GGUF files to measure instead of the SmolLM2 types")
+    p.add_argument("--text-tokens", type=int, default=0, help="the text's first N tokens only (0: all)")
     a = p.parse_args()
     from pagemill.models.default_model import ensure_default_model
     from pagemill.models.gguf.reader import GGUFModel
     from pagemill.models.gguf.tokenizer import build_tokenizer, read_spec
 
-    files, made = make_files(ensure_default_model(), Path(a.work), [t for t in a.types.split(",") if t])
-    runs = [(f"SmolLM2-135M {t}", path) for t, path in files.items()]
-    if not a.no_gemma and GEMMA.is_file():
-        runs.append(("Gemma 3 270M Q4_K_M (as shipped)", GEMMA))
+    if a.files:
+        runs, made = [(Path(f).name, Path(f)) for f in a.files.split(",") if f], "as shipped (--files)"
+    else:
+        files, made = make_files(ensure_default_model(), Path(a.work), [t for t in a.types.split(",") if t])
+        runs = [(f"SmolLM2-135M {t}", path) for t, path in files.items()]
+        if not a.no_gemma and GEMMA.is_file():
+            runs.append(("Gemma 3 270M Q4_K_M (as shipped)", GEMMA))
     rows = []
     for name, path in runs:
         tok = build_tokenizer(read_spec(GGUFModel(path), 1 << 20))
         text = tok.encode(TEXT.read_text()).ids
+        text = text[: a.text_tokens] if a.text_tokens else text
         prompts = [tok.encode(s).ids for s in PROMPTS[: a.prompts]]
-        rows.append(compare(name, path, text, prompts, a.tokens, not a.no_kernels))
+        rows.append({**compare(name, path, text, prompts, a.tokens, not a.no_kernels), "text_tokens": len(text)})
         r = rows[-1]
         print(f"{name}: ppl {r['ppl_pagemill']:.3f} (reference {r['ppl_reference']:.3f}), top-1 {r['top1_agree']:.4f}, "
               f"greedy {r['greedy_prefix_agree']:.3f} / {r['greedy_identical']} identical, {r['pagemill_path']}, "
@@ -199,8 +209,11 @@ def main() -> None:
             "machine": platform.processor() or platform.machine(), "cpu_flags": cpu_flags(),
             "threads": torch.get_num_threads(), "command": " ".join(sys.argv)}  # fmt: skip
     (OUT / "latest.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-    (OUT / "latest.md").write_text(f"{md}\n\nFiles: {made}. Text: {TEXT.name}; {a.prompts} prompts x {a.tokens} "
-                                   f"greedy tokens.\n")  # fmt: skip
+    with open(OUT / "history.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta, "rows": rows}) + "\n")
+    counts = sorted({r["text_tokens"] for r in rows})
+    (OUT / "latest.md").write_text(f"{md}\n\nFiles: {made}. Text: {TEXT.name}, the first {'/'.join(map(str, counts))} "
+                                   f"tokens; {a.prompts} prompts x {a.tokens} greedy tokens.\n")  # fmt: skip
     print(f"wrote {OUT / 'latest.json'}")
 
 

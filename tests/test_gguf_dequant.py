@@ -148,3 +148,81 @@ def test_loaded_model_holds_no_float_copy(tiny_gguf):
     floats = [(n, p) for n, p in model.named_parameters()]
     assert all(p.dim() == 1 and p.dtype == torch.bfloat16 for _, p in floats), [n for n, p in floats if p.dim() != 1]
     assert sum(p.nbytes for _, p in floats) < matrices / 10
+
+
+def compiled_kernel():
+    """The compiled quant kernels (cpu_kernels/quant.py), or a skip where they are not built."""
+    from pagemill.cpu_kernels.quant import QuantKernel
+
+    kernel = gguf_linear.quant_kernel()
+    if not isinstance(kernel, QuantKernel):
+        pytest.skip("the compiled quant kernels are not built here")
+    return kernel
+
+
+# The compiled path quantizes each call's activations to int8 blocks (32 values; Q8_K's 256 for
+# the K-quants) as ggml does, so it differs from the float reference by that rounding: per
+# linear on Gaussian rows, about 0.5% (32-value blocks) to 0.9% (K-quants) of the largest output
+# at most; LINEAR_TOL allows 2%. Through a tiny random model's two layers and tied head (seven
+# linears in a row, no trained smoothness) it adds up to ~3% of the largest logit at most and
+# ~2.6% on average; LOGITS_TOL / LOGITS_MEAN_TOL allow 6% / 4%. (Against a reference that rounds
+# x the same way, the 32-value types agree within 4e-4: tests/test_quant_kernels.py checks ggml's
+# arithmetic exactly.)
+LINEAR_TOL, LOGITS_TOL, LOGITS_MEAN_TOL = 2e-2, 6e-2, 4e-2
+KERNEL_TYPES = [T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K]
+
+
+@pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_compiled_linear_matches_torch_reference(qtype, dtype):
+    from pagemill.cpu_kernels.quant import PreparedWeight, QuantKernel
+
+    kernel = compiled_kernel()
+    assert kernel.supports(qtype)
+    raw = torch.from_numpy(random_blocks(qtype, 48, 512, seed=3))
+    bias = torch.randn(48)
+    lin = GGUFLinear(raw.clone(), qtype, 512, bias.to(dtype))
+    assert lin.pack_weights() and lin.on_kernel
+    assert isinstance(lin.kernel, QuantKernel) and isinstance(lin.prepared, PreparedWeight)
+    if qtype not in (T.F32, T.F16, T.BF16):  # a repacked copy replaced the file's rows
+        assert lin.qweight.numel() == 0 and lin.prepared.nbytes == raw.numel()
+    x = torch.randn(2, 5, 512).to(dtype)
+    ref = reference_linear(x.reshape(-1, 512).float(), raw, qtype, bias.to(dtype).float())
+    y = lin(x)
+    assert y.dtype == dtype and y.shape == (2, 5, 48)
+    assert rel_err(y.float().reshape(-1, 48), ref) < LINEAR_TOL
+    assert torch.equal(lin.dequantize(), dequantize(raw, qtype))  # the repacked blocks read back exactly
+
+
+def test_compiled_kernels_run_the_model(tiny_gguf, monkeypatch):
+    """Where the kernels are built, load_model puts every GGUF linear (and the tied head and the
+    embedding) on them, forward calls them, and the logits match the torch reference path."""
+    from pagemill.cpu_kernels.quant import QuantKernel
+
+    kernel = compiled_kernel()
+    calls = {"linear": 0, "embedding": 0}
+
+    def counting(name):
+        real = getattr(QuantKernel, name)
+
+        def call(self, *args, **kwargs):
+            calls[name] += 1
+            return real(self, *args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(QuantKernel, "linear", counting("linear"))
+    monkeypatch.setattr(QuantKernel, "embedding", counting("embedding"))
+    ours, config = load_model(str(tiny_gguf), "float32", "cpu", cpu_kernels=True)
+    linears = [m for m in ours.modules() if isinstance(m, GGUFLinear)]
+    assert linears and all(m.on_kernel and m.kernel is kernel for m in linears)
+    assert all(m.qweight.numel() == 0 for m in linears)  # Q8_0 and Q4_1: repacked copies only
+    assert ours.lm_head is ours.model.embed_tokens.table and ours.lm_head.on_kernel
+    torch_path, _ = load_model(str(tiny_gguf), "float32", "cpu", cpu_kernels=False)
+    assert not any(m.on_kernel for m in torch_path.modules() if isinstance(m, GGUFLinear))
+    tokens = prompts(320, [9])[0]
+    h, r = PagedHarness(ours, config), PagedHarness(torch_path, config)
+    a, b = h.prefill({0: tokens})[0], r.prefill({0: tokens})[0]
+    assert calls["linear"] >= len(linears) and calls["embedding"] == 1
+    for x, y in [(a, b), (h.decode({0: tokens + [5]})[0], r.decode({0: tokens + [5]})[0])]:  # prefill, a decode step
+        assert rel_err(x, y) < LOGITS_TOL and ((x - y).abs().mean() / y.abs().mean()).item() < LOGITS_MEAN_TOL

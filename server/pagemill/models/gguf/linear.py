@@ -2,8 +2,10 @@
 
 GGUFLinear holds the exact bytes of a 2-D weight (uint8 [N, row_bytes], row n = output
 feature n) with its ggml type. `pack_weights` hands them once to the compiled int8 kernels
-(cpu_kernels/quant.py) where those are built and take the type; forward then runs there
-(int8 dot products over the blocks). Otherwise forward is the torch reference: dequantize
+(cpu_kernels/quant.py: QuantKernel.prepare repacks the blocks into a copy of the same size,
+which replaces the file's rows) where those are built and take the type; forward then runs
+there (QuantKernel.linear: the activations quantized per call as ggml does, int8 dot products
+over the blocks, the bias added in float32). Otherwise forward is the torch reference: dequantize
 (dequant.py, bit-identical to gguf-py) in chunks of rows, then F.linear in the activation
 dtype, so no float copy of the weight outlives a call (on a GPU too: per call).
 
@@ -67,8 +69,10 @@ def _release_pages(t: torch.Tensor) -> None:
 def _holds_own_copy(prepared: object, q: torch.Tensor) -> bool:
     """Whether the kernel's prepared weight keeps its blocks in a tensor of its own (so q is unused)."""
     base = q.untyped_storage().data_ptr()
-    tensors = [v for v in vars(prepared).values() if isinstance(v, torch.Tensor)] if hasattr(prepared, "__dict__") \
-        else []  # fmt: skip
+    tensors = getattr(prepared, "tensors", None)
+    if tensors is None:
+        tensors = [v for v in vars(prepared).values() if isinstance(v, torch.Tensor)] \
+            if hasattr(prepared, "__dict__") else []  # fmt: skip
     own = [t for t in tensors if t.untyped_storage().data_ptr() != base and t.nbytes >= q.nbytes * 9 // 10]
     return bool(own) and not any(t.untyped_storage().data_ptr() == base for t in tensors)
 
@@ -87,7 +91,7 @@ class GGUFLinear(nn.Module):
         self.register_buffer("qweight", qweight, persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.mapped = mapped
-        self.kernel = self.prepared = None
+        self.kernel = self.prepared = self.kernel_bias = None
 
     @property
     def type_name(self) -> str:
@@ -104,6 +108,8 @@ class GGUFLinear(nn.Module):
             return False
         self.prepared = kernel.prepare(self.qweight, self.qtype, self.in_features)
         self.kernel = kernel
+        if self.bias is not None:  # what the kernel adds, converted once rather than per call
+            self.kernel_bias = self.bias.detach().to(torch.float32).contiguous()
         if _holds_own_copy(self.prepared, self.qweight):  # a repacked copy replaces the original
             if self.mapped:
                 _release_pages(self.qweight)
@@ -122,11 +128,15 @@ class GGUFLinear(nn.Module):
         if self.prepared is not None and rows.device.type == "cpu":
             if rows.dtype not in (torch.float32, torch.bfloat16):
                 rows = rows.float()
-            y = self.kernel.linear(rows.contiguous(), self.prepared)
-            y = y if self.bias is None else y + self.bias
+            y = self.kernel.linear(rows.contiguous(), self.prepared, self.kernel_bias)
         else:
             y = reference_linear(rows, self.qweight, self.qtype, self.bias)
         return y.to(dtype).reshape(*lead, self.out_features)
+
+    @property
+    def on_kernel(self) -> bool:
+        """Whether forward runs on the compiled kernels (else the torch reference)."""
+        return self.prepared is not None
 
     def extra_repr(self) -> str:
         path = "kernel" if self.prepared is not None else "torch reference"
