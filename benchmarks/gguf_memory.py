@@ -9,13 +9,14 @@ prefill of 256 tokens and 32 decode steps; the peak is VmHWM (since the process 
 imports' peak is below the baseline's). Resetting it through /proc/self/clear_refs changed how
 much freed memory glibc kept (600 MB more here), so it is not reset. The model's
 share is the increase over the baseline; the target is 1.25 x the file size plus the pool.
-Writes benchmarks/results/gguf-memory/latest.json.
+Writes benchmarks/results/gguf-memory/latest.json and appends the run to history.jsonl.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -28,7 +29,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 from int8_quality import BLOCK, Sequence  # noqa: E402
 
-GEMMA = Path("/work/peers/models/gemma-3-270m-q4_k_m.gguf")
+GEMMA = Path(os.environ.get("PAGEMILL_PEERS", "/opt/pagemill-peers")) / "models" / "gemma-3-270m-q4_k_m.gguf"
 MIB = 1 << 20
 
 
@@ -120,6 +121,8 @@ def main() -> None:
     out_dir = HERE / "results" / "gguf-memory"
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "latest.json").write_text(json.dumps(result, indent=1) + "\n")
+    with open(out_dir / "history.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **result}) + "\n")
 
 
 if __name__ == "__main__":

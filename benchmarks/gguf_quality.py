@@ -6,7 +6,7 @@ float32 reference on the same file.
 
 Files: SmolLM2-135M (the default model's HF directory, ensure_default_model(): its float32
 weights are the Q4_1 file's, dequantized) written to F32 and to each type; with llama.cpp's
-convert_hf_to_gguf.py + llama-quantize where they are built (/work/peers), else with
+convert_hf_to_gguf.py + llama-quantize where they are built ($PAGEMILL_PEERS), else with
 tests/gguf_writer.py (gguf-py's quantizers, tests/gguf_quants.py's min/max k-quants, and
 llama-quantize's fallback types for rows that are not whole 256-value blocks). Plus the real
 Gemma 3 270M Q4_K_M as shipped. Per file:
@@ -28,6 +28,7 @@ import argparse
 import collections
 import json
 import math
+import os
 import platform
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from int8_quality import PROMPTS, Sequence, cpu_flags  # noqa: E402
 
 TEXT = HERE / "texts" / "public_domain_en_long.txt"
 OUT = HERE / "results" / "gguf-quality"
-PEERS = Path("/work/peers")
+PEERS = Path(os.environ.get("PAGEMILL_PEERS", "/opt/pagemill-peers"))  # benchmarks/peers/install.sh's folder
 GEMMA = PEERS / "models" / "gemma-3-270m-q4_k_m.gguf"
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K")
 

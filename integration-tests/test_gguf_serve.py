@@ -1,10 +1,15 @@
 """`pagemill launch --model tiny.gguf` on a random-weight model kept quantized (Q4_K attention,
 Q8_0 MLP and embedding): the launcher extracts the tokenizer and the GGUF's chat template, the
 shard serves the file's blocks, and the openai client's greedy chat and completions (and the
-TGI route's token ids) equal transformers' GGUF loader on the same file."""
+TGI route's token ids) equal transformers' GGUF loader on the same file. That server runs the
+torch reference path (--no-cpu-kernels: exact float arithmetic); a second one on the default
+path serves every linear from the compiled quant kernels, whose int8 rounding of activations
+(as llama.cpp's) may move a near-tie, so its first token is checked, and its text is
+well-formed."""
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -50,7 +55,7 @@ def gguf_file(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(gguf_file, tmp_path_factory):
     s = launch(str(gguf_file), "--cache-dir", str(tmp_path_factory.mktemp("cache")), "--kv-cache-memory", "64MiB",
-               "--max-input-tokens", "256", "--max-total-tokens", "512")  # fmt: skip
+               "--max-input-tokens", "256", "--max-total-tokens", "512", "--no-cpu-kernels")  # fmt: skip
     yield s
     s.stop()
 
@@ -116,3 +121,24 @@ def test_openai_completions(server, reference):
     for prompt in PROMPTS:
         reply = client.completions.create(model="tiny", prompt=prompt, max_tokens=MAX_NEW, temperature=0)
         assert reply.choices[0].text == text_of(reference, greedy(reference, tok(prompt).input_ids))
+
+
+def test_served_on_the_compiled_kernels(gguf_file, reference, tmp_path_factory):
+    from pagemill.cpu_kernels.quant import quant_kernel
+
+    if quant_kernel() is None:
+        pytest.skip("the compiled quant kernels are not built here")
+    tok, _ = reference
+    s = launch(str(gguf_file), "--cache-dir", str(tmp_path_factory.mktemp("cache-k")), "--kv-cache-memory", "64MiB",
+               "--max-input-tokens", "256", "--max-total-tokens", "512")  # fmt: skip
+    try:
+        on = re.search(r"(\d+) of (\d+) linears on the compiled kernels", s.logs())
+        assert on and on[1] == on[2] and int(on[1]) >= 9, on  # 2 layers x (qkv, o, gate|up, down) + the tied head
+        for prompt in PROMPTS:
+            r = httpx.post(f"{s.url}/generate", timeout=120, json={
+                "inputs": prompt, "parameters": {"max_new_tokens": MAX_NEW, "details": True}})  # fmt: skip
+            assert r.status_code == 200, r.text
+            ids = [t["id"] for t in r.json()["details"]["tokens"]]
+            assert len(ids) >= 1 and ids[0] == greedy(reference, tok(prompt).input_ids)[0], prompt
+    finally:
+        s.stop()
