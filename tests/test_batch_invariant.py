@@ -118,10 +118,12 @@ def test_invariant_attention_matches_the_reference(window, softcap):
 
 
 def test_refuses_what_it_cannot_hold():
-    base = dict(model_dir="m", uds_path="", batch_invariant=True)
-    check_batch_invariant(ShardConfig(**base))
+    base = dict(uds_path="", batch_invariant=True)
+    check_batch_invariant(ShardConfig(model_dir="m", **base))
+    check_batch_invariant(ShardConfig(model_dir="m.gguf", gguf_weights="dequantized", **base))
     for extra, name in ((dict(quantize="int8"), "--quantize"), (dict(kv_cache_dtype="int8"), "--kv-cache-dtype"),
                         (dict(device="cuda"), "--device cuda"), (dict(speculate=2), "--speculate"),
-                        (dict(model_impl="transformers"), "--model-impl")):  # fmt: skip
+                        (dict(model_impl="transformers"), "--model-impl"),
+                        (dict(model_dir="m.gguf"), "GGUF kept quantized")):  # fmt: skip
         with pytest.raises(ValueError, match=name):
-            check_batch_invariant(ShardConfig(**base, **extra))
+            check_batch_invariant(ShardConfig(**{"model_dir": "m", **base, **extra}))

@@ -1,4 +1,6 @@
-"""GGUF -> Hugging Face conversion of the default demo model (SmolLM2-135M-Instruct).
+"""The default demo model (SmolLM2-135M-Instruct's Q4_1 GGUF): converted to a Hugging Face
+directory (how the default model is served), and resolving `--model file.gguf` to an
+extraction of the router's files whose shards read the GGUF itself.
 
 The suite converts once (session fixture). Reference: transformers' own GGUF
 loading of the same file, when this transformers/accelerate can do it.
@@ -13,7 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagemill.models import default_model, gguf_loader
+from pagemill.models import default_model
+from pagemill.models.gguf import convert
 from pagemill.models.default_model import (
     DEFAULT_MODEL_ID,
     MARKER_NAME,
@@ -22,7 +25,8 @@ from pagemill.models.default_model import (
     find_default_gguf,
     resolve_model,
 )
-from pagemill.models.gguf_loader import convert_gguf_to_hf, unpermute_qk
+from pagemill.models.gguf.convert import convert_gguf_to_hf
+from pagemill.models.gguf.names import unpermute_rows
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -127,7 +131,7 @@ def _llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
 @pytest.mark.parametrize("n_heads", [9, 3])
 def test_unpermute_inverts_llama_cpp_permute(n_heads):
     w = np.random.default_rng(0).standard_normal((n_heads * 64, 576)).astype(np.float32)
-    np.testing.assert_array_equal(unpermute_qk(_llama_cpp_permute(w, n_heads), n_heads), w)
+    np.testing.assert_array_equal(unpermute_rows(_llama_cpp_permute(w, n_heads), n_heads), w)
 
 
 # --- tokenizer -------------------------------------------------------------
@@ -200,7 +204,7 @@ def test_dir_without_marker_is_reconverted(tmp_path, monkeypatch):
 
 def test_resolve_model_gguf_file_keyed_by_name_and_size(tmp_path, monkeypatch):
     seen = []
-    monkeypatch.setattr(default_model, "convert_cached", lambda src, out: seen.append((src, out)) or out)
+    monkeypatch.setattr(default_model, "extract_cached", lambda src, out: seen.append((src, out)) or out)
     gguf = tmp_path / "tiny.Q8_0.gguf"
     gguf.write_bytes(b"\0" * 123)
     out = resolve_model(str(gguf), cache_dir=tmp_path / "cache")
@@ -244,8 +248,8 @@ def test_failed_conversion_leaves_nothing(tmp_path, monkeypatch):
         raise RuntimeError("disk full")
 
     # Parsing a real GGUF costs seconds; the atomic-write logic does not need one.
-    monkeypatch.setattr(gguf_loader, "GGUFReader", lambda path: None)
-    monkeypatch.setattr(gguf_loader, "write_hf_dir", boom)
+    monkeypatch.setattr(convert, "GGUFModel", lambda path: None)
+    monkeypatch.setattr(convert, "write_hf_dir", boom)
     src = tmp_path / "src" / "m.gguf"
     src.parent.mkdir()
     src.write_bytes(b"GGUF")
@@ -262,8 +266,8 @@ def test_conversion_replaces_existing_dir(tmp_path, monkeypatch):
     def fake_write(reader, out):
         (out / "config.json").write_text('{"new": true}')
 
-    monkeypatch.setattr(gguf_loader, "GGUFReader", lambda path: None)
-    monkeypatch.setattr(gguf_loader, "write_hf_dir", fake_write)
+    monkeypatch.setattr(convert, "GGUFModel", lambda path: None)
+    monkeypatch.setattr(convert, "write_hf_dir", fake_write)
     src = tmp_path / "m.gguf"
     src.write_bytes(b"GGUF")
     out = tmp_path / "out"

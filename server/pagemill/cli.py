@@ -47,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     router = sub.add_parser("router", help="run the HTTP router (started by launch)")
     add_router_options(router, table, launcher_sets=True)
 
-    convert = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model dir")
+    convert = sub.add_parser("convert", help="convert a GGUF file into a Hugging Face model dir (float32 safetensors)")
     convert.add_argument("gguf")
     convert.add_argument("out_dir")
 
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(1)
         return
     if a.command == "convert":
-        from pagemill.models.gguf_loader import convert_gguf_to_hf
+        from pagemill.models.gguf.convert import convert_gguf_to_hf
 
         print(convert_gguf_to_hf(a.gguf, a.out_dir))
         return

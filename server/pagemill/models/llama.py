@@ -206,7 +206,9 @@ class LlamaForCausalLM(nn.Module):
     def pack_weights(self, cpu_kernels: bool = True) -> int:
         """Builds the CPU-packed weight copies (see packed_linear) and, with cpu_kernels, the
         single-token fused decode (see fused_decode); call after loading."""
-        n = pack_all(self, cpu_kernels)
+        from pagemill.models.gguf.linear import holds_gguf_weights, pack_gguf
+
+        n = pack_all(self, cpu_kernels) + pack_gguf(self, cpu_kernels)
         for m in self.modules():
             if type(m) is MLP:  # subclasses (GeGLU) have their own activation
                 m.swiglu = None
@@ -220,10 +222,12 @@ class LlamaForCausalLM(nn.Module):
             from pagemill.cpu_kernels.decode import decode_kernels
             from pagemill.cpu_kernels.rowwise import elementwise_kernels, norm_kernel
 
-            self.model.fused = FusedDecoder.build(self, decode_kernels())
-            if isinstance(self.model, LlamaModel):
-                self.model.batched = BatchedDecoder.build(self, decode_kernels())
-            if self.model.embed_tokens.weight.device.type == "cpu":
+            # The whole-layer decoders read float or int8 weights through pointers, not GGUF blocks.
+            if not holds_gguf_weights(self):
+                self.model.fused = FusedDecoder.build(self, decode_kernels())
+                if isinstance(self.model, LlamaModel):
+                    self.model.batched = BatchedDecoder.build(self, decode_kernels())
+            if self.model.norm.weight.device.type == "cpu":
                 norm, elementwise = norm_kernel(), elementwise_kernels()
         for m in self.modules():
             if type(m) is RMSNorm:  # subclasses (other norms) compute their own way

@@ -127,8 +127,10 @@ class MoeForCausalLM(LlamaForCausalLM):
     def pack_weights(self, cpu_kernels: bool = True) -> int:
         """The experts' linears are packed like any other; the fused decode layer computes a dense
         MLP only, so MoE decode takes the module path."""
+        from pagemill.models.gguf.linear import pack_gguf
+
         self.model.fused = None
-        return pack_all(self, cpu_kernels)
+        return pack_all(self, cpu_kernels) + pack_gguf(self, cpu_kernels)
 
     def checkpoint_names(self) -> set[str]:
         names = super().checkpoint_names()

@@ -41,7 +41,7 @@ def runner_kwargs(cfg: ShardConfig, group: ParallelGroup | None) -> tuple[LlamaF
     log.info("dtype %s (%s)", dtype, why)
     model, config = load_model(cfg.model_dir, parse_dtype(dtype), device, backend, group,
                                cpu_kernels=cpu_kernels, quantize=cfg.quantize, model_impl=cfg.model_impl,
-                               huge_pages=cfg.huge_pages)  # fmt: skip
+                               huge_pages=cfg.huge_pages, gguf_weights=cfg.gguf_weights)  # fmt: skip
     if cfg.batch_invariant:
         log.info("batch-invariant: %d linears on fixed-shape row tiles", make_batch_invariant(model))
     draft = None
@@ -51,7 +51,7 @@ def runner_kwargs(cfg: ShardConfig, group: ParallelGroup | None) -> tuple[LlamaF
         # The draft is small: every rank runs all of it (replicated, no
         # communication), fed the same inputs and sampler, so proposals agree.
         d_model, d_config = load_model(cfg.draft_model, parse_dtype(dtype), device, backend,
-                                       cpu_kernels=cpu_kernels)  # fmt: skip
+                                       cpu_kernels=cpu_kernels, gguf_weights=cfg.gguf_weights)  # fmt: skip
         draft = DraftProposer(d_model, d_config, device, block_size)
     kwargs = dict(
         device=device,
