@@ -10,9 +10,11 @@ pub mod admission;
 mod ahead;
 #[cfg(test)]
 mod fake_shard;
+pub mod logprob_cache;
 mod order;
 mod preempt;
 mod priority_preempt;
+pub mod prompt_logprobs;
 mod prompts;
 mod schedule;
 pub mod sequence;
@@ -27,6 +29,8 @@ mod tests_ahead;
 mod tests_priority;
 #[cfg(test)]
 mod tests_priority_preempt;
+#[cfg(test)]
+mod tests_prompt_logprobs;
 #[cfg(test)]
 mod tests_requeue;
 #[cfg(test)]

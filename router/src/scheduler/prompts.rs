@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
 use super::order::{order_queue, units};
+use super::prompt_logprobs::{cacheable_blocks, fill_from_cache};
 use super::sequence::Sequence;
 use super::state::State;
 use super::step_plan::{Loading, StepPlan};
@@ -47,7 +48,9 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
     let mut taken: VecDeque<Sequence> = st.queue.drain(..take).collect();
     while let Some(mut s) = taken.pop_front() {
         let len = s.len();
-        let mut blocks = prompt_blocks(st, plan, &s, first_new);
+        fill_from_cache(&mut s, &mut st.logprob_cache);
+        let cap = cacheable_blocks(&s, &st.logprob_cache, bs);
+        let mut blocks = prompt_blocks(st, plan, &s, first_new, cap);
         let cache_len = blocks.len() * bs;
         if !blocks.ensure_capacity(len) {
             // Admission estimates are conservative; should one still fall
@@ -71,7 +74,7 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
             _ => len - cache_len,
         };
         plan.prefix_hit_tokens += cache_len as u64;
-        if !plan_tier_loads(st, plan, &s, cache_len / bs) {
+        if !plan_tier_loads(st, plan, &s, cache_len / bs, cap) {
             plan.push(&mut s, n, 0, true);
         }
         st.running.push(s);
@@ -106,11 +109,11 @@ fn admissions(st: &mut State, left: Option<u32>, alone_ok: bool, now: Instant) -
 /// the longer prefix of a prompt admitted in this same step (forks of
 /// `n`/`best_of`, a common system prompt arriving at once), as far as that
 /// one computes it in this step: the shard writes those blocks before
-/// anyone reads them.
-fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, first_new: usize) -> KvBlocks {
+/// anyone reads them. At most `cap` blocks (`cacheable_blocks`).
+fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, first_new: usize, cap: u32) -> KvBlocks {
     let bs = st.kv.block_size();
-    let mut blocks = st.kv.acquire_prefix(&s.tokens);
-    let limit = fork_shared_blocks(s.len(), bs);
+    let mut blocks = st.kv.acquire_prefix(capped(&s.tokens, cap, bs));
+    let limit = fork_shared_blocks(s.len(), bs).min(cap);
     let caching = st.kv.prefix_caching();
     let planned_end = |id: u64| plan.planned.iter().find(|p| p.id == id).map_or(0, |p| p.num_computed + p.num_tokens);
     let best = st.running[first_new..]
@@ -135,8 +138,8 @@ fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, first_new: usize) ->
 /// Plans loading the blocks from `first` on that the second tier holds;
 /// true when there are any: the sequence then only loads in this step, its
 /// compute is planned once the reply confirmed the loads.
-fn plan_tier_loads(st: &State, plan: &mut StepPlan, s: &Sequence, first: u32) -> bool {
-    let keys = st.kv.tier_hits(&s.tokens, first as usize);
+fn plan_tier_loads(st: &State, plan: &mut StepPlan, s: &Sequence, first: u32, cap: u32) -> bool {
+    let keys = st.kv.tier_hits(capped(&s.tokens, cap, st.kv.block_size()), first as usize);
     if keys.is_empty() {
         return false;
     }
@@ -173,9 +176,10 @@ pub(super) fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate 
     let leader = &st.queue[unit.start];
     let len = leader.len();
     let blocks = st.kv.blocks_for(len);
-    let cached = st.kv.peek_prefix(&leader.tokens).min(blocks);
+    let cap = cacheable_blocks(leader, &st.logprob_cache, bs);
+    let cached = st.kv.peek_prefix(&leader.tokens).min(blocks).min(cap);
     let forks = unit.len() as u32 - 1;
-    let shared = fork_shared_blocks(len, bs);
+    let shared = fork_shared_blocks(len, bs).min(cap);
     Candidate {
         chunkable: forks == 0 && leader.chunkable(),
         sequences: unit.len() as u32,
@@ -191,6 +195,13 @@ pub(super) fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate 
 /// left for the fork to compute, since its first token is sampled from it.
 fn fork_shared_blocks(len: u32, block_size: u32) -> u32 {
     len.saturating_sub(1) / block_size
+}
+
+/// The tokens whose cached prefix may be taken, `cap` blocks at most: the
+/// cache leaves the last token of what it is given to compute.
+fn capped(tokens: &[u32], cap: u32, block_size: u32) -> &[u32] {
+    let n = (cap as usize).saturating_mul(block_size as usize).saturating_add(1);
+    &tokens[..n.min(tokens.len())]
 }
 
 /// Number of leading full blocks two token sequences have in common.

@@ -5,6 +5,7 @@
 pub mod chat;
 pub mod completions;
 mod logprobs;
+mod scoring;
 pub mod types;
 
 use axum::extract::State;
@@ -71,6 +72,7 @@ impl SamplingParams {
                 stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
                 logit_bias: self.logit_bias.iter().flatten().map(|(k, v)| (k.clone(), *v)).collect(),
                 lark: None,
+                prompt_top_n: 0,
             },
             ..Default::default()
         })
