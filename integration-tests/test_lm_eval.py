@@ -18,8 +18,6 @@ TASKS = ROOT / "integration-tests" / "data" / "lm_eval"
 SCORED = ["pagemill_mc", "pagemill_rolling"]
 TOL = 1e-3
 
-pytest.importorskip("lm_eval")
-
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, default_model_dir):
@@ -89,8 +87,8 @@ def test_generate_until_through_chat_completions_is_the_servers_greedy_answer(sr
     samples = out["samples"]["pagemill_gen"]
     assert len(samples) == 6
     for s in samples:
-        prompt, gen_kwargs = s["arguments"]["gen_args_0"]["arg_0"], s["arguments"]["gen_args_0"]["arg_1"]
-        messages = json.loads(prompt)
+        context, gen_kwargs = s["arguments"][0]  # the chat as JSON text, and the task's generation_kwargs
+        messages = json.loads(context.prompt)
         direct = client.chat.completions.create(model="m", messages=messages, temperature=0, stop=["\n"],
                                                 max_tokens=gen_kwargs["max_gen_toks"], seed=1234)
         assert s["resps"][0][0] == direct.choices[0].message.content, s["doc_id"]

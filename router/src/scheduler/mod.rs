@@ -11,6 +11,7 @@ mod ahead;
 #[cfg(test)]
 mod fake_shard;
 pub mod logprob_cache;
+mod logprob_gather;
 mod order;
 mod preempt;
 mod priority_preempt;

@@ -8,8 +8,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
+use super::logprob_gather::{cacheable_blocks, fill_from_cache};
 use super::order::{order_queue, units};
-use super::prompt_logprobs::{cacheable_blocks, fill_from_cache};
 use super::sequence::Sequence;
 use super::state::State;
 use super::step_plan::{Loading, StepPlan};

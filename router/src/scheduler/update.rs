@@ -18,7 +18,7 @@
 
 use std::collections::HashMap;
 
-use super::prompt_logprobs::{prefill_event, take_report};
+use super::logprob_gather::{prefill_event, take_report};
 use super::sequence::Sequence;
 use super::state::State;
 use super::step_plan::{Planned, StepPlan};

@@ -35,8 +35,9 @@ fn call_schema(tool: &Tool, args_key: &str) -> String {
 /// unsaid takes none, down through properties, items and combinations.
 pub fn strict_schema(schema: &mut serde_json::Value) {
     let Some(obj) = schema.as_object_mut() else { return };
-    let is_object = obj.get("type").is_some_and(|t| t == "object" || t.as_array().is_some_and(|a| a.contains(&json!("object"))))
-        || obj.contains_key("properties");
+    let is_object =
+        obj.get("type").is_some_and(|t| t == "object" || t.as_array().is_some_and(|a| a.contains(&json!("object"))))
+            || obj.contains_key("properties");
     if is_object && !obj.contains_key("additionalProperties") {
         obj.insert("additionalProperties".into(), json!(false));
     }
