@@ -68,6 +68,7 @@ class Swapper:
         from pagemill.cpu_kernels import build
 
         self._state = build._state
+        self._saved = dict(build._state)  # the process-wide bindings, put back by restore()
         classes = kernel_classes()
         self.points = holders(runner, classes)
         loaded = {label: ctypes.CDLL(path) for label, path in libs.items()}
@@ -82,6 +83,12 @@ class Swapper:
         for key, cls in self.shared.items():
             self._state[key] = self.kernels[label][cls]
         self._state["lib"] = self.loaded[label]
+
+    def restore(self) -> None:
+        """The process-wide bindings as they were before: a caller in the same process (a test)
+        keeps the library it loaded."""
+        self._state.clear()
+        self._state.update(self._saved)
 
 
 def runner_for(model: str | None, dtype: str, threads: int, max_input: int, batch: int):
@@ -168,7 +175,10 @@ def main(argv=None) -> dict:
     runner = runner_for(a.model, a.dtype, a.threads, a.prompt + 2 * n + 16, a.batch)
     swap = Swapper(runner, {"A": a.lib_a, "B": a.lib_b})
     run = decode_ab if a.what == "decode" else prefill_ab
-    times = run(runner, swap, a.batch, a.prompt, n)
+    try:
+        times = run(runner, swap, a.batch, a.prompt, n)
+    finally:
+        swap.restore()
     med = {k: statistics.median(v) for k, v in times.items()}
     res = {"what": a.what, "batch": a.batch, "prompt": a.prompt, "threads": a.threads, "dtype": a.dtype,
            "kernel_bindings_swapped": len(swap.points), "median_ms": med, "b_over_a": med["B"] / med["A"],

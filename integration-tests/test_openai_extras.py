@@ -25,6 +25,7 @@ TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if tools %}<|im_start|>tools\n{{ tools | tojson }}<|im_end|>\n{% endif %}"
     "{% if greeting %}{{ greeting }}\n{% endif %}"
+    "{% if reasoning_effort %}Effort: {{ reasoning_effort }}\n{% endif %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 MESSAGES = [{"role": "user", "content": "Say something."}]
@@ -150,8 +151,8 @@ def test_prompt_logprobs_match_tgi_decoder_input_details(client, srv):
         assert list(entry) == [str(r["id"])]
         assert entry[str(r["id"])]["logprob"] == pytest.approx(r["logprob"], abs=1e-4)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="x", prompt="a", max_tokens=1, extra_body={"prompt_logprobs": 2})
-    assert e.value.param == "prompt_logprobs"
+        client.completions.create(model="x", prompt="a", max_tokens=1, extra_body={"prompt_logprobs": 6})
+    assert e.value.param == "prompt_logprobs"  # more alternatives than --max-top-n-tokens (5)
 
 
 # --- roles, unknown fields, error shape ----------------------------------------------------------
@@ -308,6 +309,94 @@ def _labels_only(field: str, value):
     return check
 
 
+SPECIAL = 1  # <|im_start|>, a special token of the tiny model's tokenizer
+
+
+def _refused(w: Walk, field: str, **body):
+    r = w.raw(**body)
+    assert r.status_code == 400, (body, r.text)
+    assert (r.json()["error"]["param"], r.json()["error"]["code"]) == (field, "unsupported"), r.text
+
+
+def _default_only(field: str, default, refused):
+    """Fields of vLLM's and SGLang's servers accepted at their default (output unchanged), refused otherwise."""
+    def check(w: Walk):
+        assert w.text(w(**{field: default})) == w.text(w())
+        _refused(w, field, **{field: refused})
+
+    return check
+
+
+def _keep_stop(field: str):
+    def check(w: Walk):
+        full = w.text(w(ignore_eos=True, max_tokens=16))
+        s = full[len(full) // 2 : len(full) // 2 + 3]
+        kept = w.text(w(ignore_eos=True, max_tokens=16, stop=[s], **{field: True}))
+        assert kept == full[: full.index(s) + len(s)], (s, kept, full)
+
+    return check
+
+
+def _skip_special_tokens(w: Walk):
+    forced = dict(logit_bias={str(SPECIAL): 100}, ignore_eos=True, max_tokens=3)
+    assert w.text(w(**forced)) == ""
+    assert w.text(w(**forced, skip_special_tokens=False)) == "<|im_start|>" * 3
+
+
+def _spaces_between_special_tokens(w: Walk):
+    forced = dict(logit_bias={str(SPECIAL): 100}, ignore_eos=True, max_tokens=3, skip_special_tokens=False)
+    assert w.text(w(**forced, spaces_between_special_tokens=False)) == w.text(w(**forced))
+
+
+def _sampling_seed(w: Walk):
+    a, b, c = (w.text(w(temperature=1.0, sampling_seed=s, ignore_eos=True)) for s in (1, 1, 2))
+    assert a == b != c and a == w.text(w(temperature=1.0, seed=1, ignore_eos=True))
+    r = w.raw(seed=1, sampling_seed=2)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "sampling_seed", r.text
+
+
+def _reasoning_field(field: str, value):
+    # Its effect needs --reasoning-parser (integration-tests/test_reasoning.py); here: accepted, output unchanged
+    # on a server without one, and dropping reasoning kept inline is a 400.
+    def check(w: Walk):
+        if w.route == "/v1/completions":
+            return
+        assert w.text(w(**{field: value})) == w.text(w())
+        r = w.raw(separate_reasoning=False, include_reasoning=False)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "include_reasoning", r.text
+
+    return check
+
+
+def _continue_final_message(w: Walk):
+    turn = MESSAGES + [{"role": "assistant", "content": "Once upon"}]
+    closed = w(messages=turn, add_generation_prompt=False)["usage"]["prompt_tokens"]
+    opened = w(messages=turn, continue_final_message=True, add_generation_prompt=False)["usage"]["prompt_tokens"]
+    assert opened < closed, (opened, closed)
+    r = w.raw(messages=turn, continue_final_message=True, add_generation_prompt=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "add_generation_prompt", r.text
+
+
+def _echo(w: Walk):
+    if w.route == "/v1/completions":
+        assert Walk.text(w(echo=True)).startswith("Once upon a time")
+    else:
+        _default_only("echo", False, True)(w)
+
+
+def _max_completion_tokens(w: Walk):
+    # The newer name of max_tokens (the walk's base sends max_tokens=8): one of them, or both equal.
+    assert w(max_completion_tokens=3, max_tokens=None, ignore_eos=True)["usage"]["completion_tokens"] == 3
+    assert w(max_completion_tokens=3, max_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3
+    r = w.raw(max_completion_tokens=3, ignore_eos=True)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def _best_of(w: Walk):
+    assert len(w(n=2, best_of=2, temperature=1.0)["choices"]) == 2
+    _refused(w, "best_of", best_of=3, temperature=1.0)
+
+
 HONOURED = {
     # shared by both routes
     "model": _labels_only("model", "anything"),
@@ -336,18 +425,35 @@ HONOURED = {
     "stop_token_ids": lambda w: w(logit_bias={"504": 100}, stop_token_ids=[504])["usage"]["completion_tokens"] == 1
     or pytest.fail(),
     "logit_bias": lambda w: w(logit_bias=FORCE_EOS)["usage"]["completion_tokens"] == 1 or pytest.fail(),
+    # what vLLM's and SGLang's servers add (their routers send them: docs/api.md)
+    "no_stop_trim": _keep_stop("no_stop_trim"),
+    "include_stop_str_in_output": _keep_stop("include_stop_str_in_output"),
+    "skip_special_tokens": _skip_special_tokens,
+    "spaces_between_special_tokens": _spaces_between_special_tokens,
+    "return_hidden_states": _default_only("return_hidden_states", False, True),
+    "lora_path": _default_only("lora_path", None, "my-adapter"),
+    "session_params": _default_only("session_params", None, {"id": "s1"}),
+    "ebnf": _default_only("ebnf", None, 'root ::= "a"'),
+    "regex": lambda w: Walk.text(w(regex="(yes|no)")) in ("yes", "no") or pytest.fail(),
+    "structured_outputs": lambda w: Walk.text(w(structured_outputs={"choice": ["alpha", "beta"]}))
+    in ("alpha", "beta") or pytest.fail(),
+    "sampling_seed": _sampling_seed,
+    "safety_identifier": _labels_only("safety_identifier", "end-user-1"),
+    "prompt_cache_key": _labels_only("prompt_cache_key", "conversation-1"),
     # /v1/completions
     "prompt": _prompt_tokens_grow(prompt="Once upon a time, far away and long ago,"),
     "logprobs": lambda w: (0 < len(w(logprobs=2)["choices"][0]["logprobs"]["top_logprobs"][0]) <= 2
                            if w.route == "/v1/completions" else bool(w(logprobs=True)["choices"][0]["logprobs"]["content"]))
     or pytest.fail(),
-    "echo": lambda w: Walk.text(w(echo=True)).startswith("Once upon a time") or pytest.fail(),
+    "echo": _echo,
+    "suffix": _default_only("suffix", "", "the end."),
+    "best_of": _best_of,
+    "json_schema": lambda w: Walk.text(w(json_schema='{"type": "boolean"}')) in ("true", "false") or pytest.fail(),
     "prompt_logprobs": lambda w: len(w(prompt_logprobs=0)["choices"][0]["prompt_logprobs"])
     == w()["usage"]["prompt_tokens"] or pytest.fail(),
     # /v1/chat/completions
     "messages": _prompt_tokens_grow(messages=[{"role": "user", "content": "Say something longer than before."}]),
-    "max_completion_tokens": lambda w: w(max_completion_tokens=3, ignore_eos=True)["usage"]["completion_tokens"] == 3
-    or pytest.fail(),
+    "max_completion_tokens": _max_completion_tokens,
     "top_logprobs": lambda w: len(w(logprobs=True, top_logprobs=2)["choices"][0]["logprobs"]["content"][0][
         "top_logprobs"]) == 2 or pytest.fail(),
     "tools": _prompt_tokens_grow(tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}]),
@@ -355,6 +461,19 @@ HONOURED = {
     "tool_choice": lambda w: w(tools=NO_ARGS_TOOL, tool_choice="required", max_tokens=40)["choices"][0][
         "message"]["tool_calls"][0]["function"]["name"] == "f" or pytest.fail(),
     "parallel_tool_calls": _parallel_tool_calls,
+    "add_generation_prompt": lambda w: w(add_generation_prompt=False)["usage"]["prompt_tokens"]
+    < w()["usage"]["prompt_tokens"] or pytest.fail(),
+    "continue_final_message": _continue_final_message,
+    "reasoning_effort": _prompt_tokens_grow(reasoning_effort="high"),
+    "separate_reasoning": _reasoning_field("separate_reasoning", False),
+    "include_reasoning": _reasoning_field("include_reasoning", False),
+    "stream_reasoning": _reasoning_field("stream_reasoning", False),
+    "functions": _default_only("functions", None, [{"name": "f", "parameters": {}}]),
+    "function_call": _default_only("function_call", None, "auto"),
+    "service_tier": _default_only("service_tier", "auto", "flex"),
+    "verbosity": _default_only("verbosity", "medium", "low"),
+    "metadata": _default_only("metadata", None, {"k": "v"}),
+    "modalities": _default_only("modalities", ["text"], ["text", "audio"]),
 }
 
 

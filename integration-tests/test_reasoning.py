@@ -114,3 +114,42 @@ def test_the_grammar_applies_to_the_answer_only(client, think_ids):
         reasoning, content, finish = streamed(client, args)
         assert (reasoning, content, finish) == (msg.reasoning_content, msg.content, "stop")
     assert answered >= 2
+
+
+def closing_seeds(client, think_ids):
+    """(args, reply) of the seeds whose reply closes the block mid-reply."""
+    for seed in range(8):
+        args, r = ask(client, think_ids, seed, extra_body={"ignore_eos": True})
+        msg = r.choices[0].message
+        if msg.reasoning_content and msg.content:
+            yield args, msg
+
+
+def test_separate_and_include_reasoning(client, think_ids):
+    """SGLang's `separate_reasoning: false` leaves the block in the content as written (the prompt
+    opened it); vLLM's `include_reasoning: false` drops it. Streamed the same."""
+    seen = 0
+    for args, msg in closing_seeds(client, think_ids):
+        seen += 1
+        inline_args = {**args, "extra_body": {"ignore_eos": True, "separate_reasoning": False}}
+        inline = client.chat.completions.create(**inline_args).choices[0].message
+        assert getattr(inline, "reasoning_content", None) is None
+        assert inline.content.startswith(msg.reasoning_content + "</think>") and inline.content.endswith(msg.content)
+        assert streamed(client, inline_args)[:2] == ("", inline.content)
+        dropped_args = {**args, "extra_body": {"ignore_eos": True, "include_reasoning": False}}
+        dropped = client.chat.completions.create(**dropped_args).choices[0].message
+        assert getattr(dropped, "reasoning_content", None) is None and dropped.content == msg.content
+        assert streamed(client, dropped_args)[:2] == ("", msg.content)
+    assert seen >= 2, "no seed closed the think block mid-reply"
+
+
+def test_stream_reasoning_false_sends_the_reasoning_in_one_delta(client, think_ids):
+    """SGLang's `stream_reasoning: false`: the same reasoning, in one delta once the block ends."""
+    for args, msg in closing_seeds(client, think_ids):
+        held = {**args, "extra_body": {"ignore_eos": True, "stream_reasoning": False}}
+        deltas = [c.delta.reasoning_content for chunk in client.chat.completions.create(**held, stream=True)
+                  for c in chunk.choices if getattr(c.delta, "reasoning_content", None)]
+        assert deltas == [msg.reasoning_content]
+        assert streamed(client, held)[1] == msg.content
+        return
+    pytest.fail("no seed closed the think block mid-reply")

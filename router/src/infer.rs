@@ -283,6 +283,7 @@ impl Infer {
     ) -> Result<Vec<StreamHandle>, RouterError> {
         let start = Instant::now();
         let permit = Arc::new(self.permit()?);
+        let text_options = input.parameters.extras.text;
         let request = self.valid_request(input, n, name).await?;
         let first_id = self.next_id.fetch_add(n as u64, Ordering::Relaxed);
         let group = (n > 1).then_some(first_id);
@@ -295,7 +296,7 @@ impl Infer {
             let (tx, rx) = mpsc::unbounded_channel();
             let id = first_id + i as u64;
             entries.push(Entry { id, request: request.clone(), response_tx: tx, queued_at, queue_deadline, group });
-            let text = TextStream::new(self.text.clone(), &request, queued_at);
+            let text = TextStream::new(self.text.clone(), &request, text_options, queued_at);
             handles.push(StreamHandle {
                 permit: permit.clone(),
                 request,

@@ -214,6 +214,10 @@ fn server_info(
         max_stop_sequences: config.max_stop_sequences,
         max_top_n_tokens: config.max_top_n_tokens,
         block_size: pool.block_size,
+        kv_blocks: pool.kv_blocks,
+        kv_cache_dtype: shard_info.kv_cache_dtype.clone(),
+        prefix_caching: config.prefix_caching,
+        model_path: config.tokenizer_dir.display().to_string(),
         version: env!("CARGO_PKG_VERSION").to_string(),
         router: "pagemill".to_string(),
     }

@@ -80,6 +80,21 @@ pub struct SamplingExtras {
     /// With `decoder_input_details`: alternatives at each prompt position
     /// (`logprobs` with `echo`, vLLM's `prompt_logprobs`).
     pub prompt_top_n: u32,
+    /// How the stream writes the generated text (special tokens, matched stops).
+    pub text: TextOptions,
+}
+
+/// How a request's text is written: the stream side of vLLM's and SGLang's
+/// `skip_special_tokens` and `no_stop_trim` / `include_stop_str_in_output`.
+/// The default is what every route does unless told otherwise.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TextOptions {
+    /// Special tokens (chat markup, EOS) written into the text instead of
+    /// left out (`skip_special_tokens: false`).
+    pub show_special_tokens: bool,
+    /// The matched stop string, or the EOS / stop token that ended the
+    /// sequence, kept at the end of the text (`no_stop_trim: true`).
+    pub keep_stop: bool,
 }
 
 /// A request that passed validation: prompt tokenized, limits checked,

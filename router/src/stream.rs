@@ -13,7 +13,7 @@ use tokenizers::Tokenizer;
 use crate::detokenize::IncrementalDecoder;
 use crate::proto::pb;
 use crate::queue::{Finish, SeqEvent};
-use crate::request::ValidRequest;
+use crate::request::{TextOptions, ValidRequest};
 use crate::response::{FinishReason, PrefillToken, Token};
 use crate::stop::{StopMatcher, StopResult};
 
@@ -76,10 +76,11 @@ pub struct TextStream {
     seed: Option<u64>,
     queued_at: Instant,
     ended: bool,
+    options: TextOptions,
 }
 
 impl TextStream {
-    pub fn new(ctx: TextContext, request: &ValidRequest, queued_at: Instant) -> Self {
+    pub fn new(ctx: TextContext, request: &ValidRequest, options: TextOptions, queued_at: Instant) -> Self {
         Self {
             ctx,
             decoder: IncrementalDecoder::new(&request.input_ids),
@@ -90,6 +91,7 @@ impl TextStream {
             seed: request.seed,
             queued_at,
             ended: false,
+            options,
         }
     }
 
@@ -166,22 +168,7 @@ impl TextStream {
         started_at: Instant,
     ) -> Option<InferStreamResponse> {
         self.generated += 1;
-        let special = self.ctx.special_ids.contains(&id);
-        // Special tokens (EOS, chat markup) show in the token stream but not in the text.
-        let (mut text, stopped) = if special {
-            (self.ctx.token_text(id), false)
-        } else {
-            let piece = self.decoder.push(&self.ctx.tokenizer, id);
-            // Before `min_tokens` stop strings do not end the output either (as in vLLM).
-            if self.generated < self.min_new_tokens {
-                (piece, false)
-            } else {
-                match self.stop.push(&piece) {
-                    StopResult::Continue(t) => (t, false),
-                    StopResult::Stopped { text, .. } => (text, true),
-                }
-            }
-        };
+        let (mut text, stopped, hidden) = self.text_of(id, finish);
         let reason = if stopped {
             Some(FinishReason::StopSequence)
         } else {
@@ -191,13 +178,14 @@ impl TextStream {
                 Finish::StopToken => FinishReason::StopSequence,
             })
         };
+        let token = |text| Token { id, text, logprob, special: hidden };
         let Some(reason) = reason else {
-            if !special {
+            if !hidden {
                 self.output.push_str(&text);
             }
-            return Some(InferStreamResponse::Token { token: self.ctx.token(id, logprob, text), top_tokens });
+            return Some(InferStreamResponse::Token { token: token(text), top_tokens });
         };
-        if !special {
+        if !hidden {
             if !stopped {
                 // Nothing more can come: release what was held for a partial stop match.
                 text.push_str(&self.stop.flush());
@@ -205,7 +193,7 @@ impl TextStream {
             self.output.push_str(&text);
         }
         Some(InferStreamResponse::End {
-            token: self.ctx.token(id, logprob, text),
+            token: token(text),
             top_tokens,
             generated_text: GeneratedText {
                 text: std::mem::take(&mut self.output),
@@ -217,6 +205,32 @@ impl TextStream {
             started_at,
         })
     }
+
+    /// One token's text: (text, whether a stop string matched, whether the
+    /// token is left out of the text). Special tokens (EOS, chat markup) show
+    /// in the token stream but not in the text, unless the request asked for
+    /// them; the EOS that ends a sequence is then kept only with `keep_stop`.
+    fn text_of(&mut self, id: u32, finish: Option<Finish>) -> (String, bool, bool) {
+        let special = self.ctx.special_ids.contains(&id);
+        let trimmed_eos = finish == Some(Finish::EosToken) && !self.options.keep_stop;
+        if special && (!self.options.show_special_tokens || trimmed_eos) {
+            return (self.ctx.token_text(id), false, true);
+        }
+        let piece = self.decoder.push(&self.ctx.tokenizer, id);
+        // Before `min_tokens` stop strings do not end the output either (as in vLLM).
+        if self.generated < self.min_new_tokens {
+            return (piece, false, false);
+        }
+        match self.stop.push(&piece) {
+            StopResult::Continue(t) => (t, false, false),
+            StopResult::Stopped { mut text, stop } => {
+                if self.options.keep_stop {
+                    text.push_str(&stop);
+                }
+                (text, true, false)
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -227,9 +241,11 @@ mod tests {
     use crate::proto::pb;
 
     fn ctx() -> TextContext {
-        let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [],
+        let json = r#"{"version": "1.0", "truncation": null, "padding": null, "added_tokens": [
+            {"id": 4, "content": "<e>", "single_word": false, "lstrip": false, "rstrip": false,
+             "normalized": false, "special": true}],
             "normalizer": null, "pre_tokenizer": {"type": "Whitespace"}, "post_processor": null, "decoder": null,
-            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "c": 2, "[UNK]": 3}, "unk_token": "[UNK]"}}"#;
+            "model": {"type": "WordLevel", "vocab": {"a": 0, "b": 1, "c": 2, "[UNK]": 3, "<e>": 4}, "unk_token": "[UNK]"}}"#;
         TextContext::new(Arc::new(Tokenizer::from_str(json).unwrap()))
     }
 
@@ -265,7 +281,7 @@ mod tests {
 
     #[test]
     fn a_stop_sequence_ends_the_stream_mid_step_and_ignores_the_rest() {
-        let mut s = TextStream::new(ctx(), &request(&["c"]), Instant::now());
+        let mut s = TextStream::new(ctx(), &request(&["c"]), TextOptions::default(), Instant::now());
         let mut out = VecDeque::new();
         s.apply(tokens(&[1, 2, 0], None), &mut out);
         assert!(s.ended());
@@ -280,7 +296,7 @@ mod tests {
 
     #[test]
     fn the_shards_finish_ends_the_stream_with_its_reason() {
-        let mut s = TextStream::new(ctx(), &request(&[]), Instant::now());
+        let mut s = TextStream::new(ctx(), &request(&[]), TextOptions::default(), Instant::now());
         let mut out = VecDeque::new();
         s.apply(SeqEvent::Prefill { ids: vec![0], logprobs: vec![f32::NAN], ranks: vec![0], top: vec![] }, &mut out);
         s.apply(tokens(&[1], None), &mut out);
@@ -291,5 +307,55 @@ mod tests {
         assert_eq!(generated_text.finish_reason, FinishReason::Length);
         assert_eq!(generated_text.generated_tokens, 3);
         assert!(generated_text.text.contains('c'), "{:?}", generated_text.text);
+    }
+
+    /// The text of a whole stream of `ids` (the last one finishing with `finish`).
+    fn text_with(options: TextOptions, stop: &[&str], ids: &[u32], finish: Finish) -> (String, Vec<Token>) {
+        let mut s = TextStream::new(ctx(), &request(stop), options, Instant::now());
+        let mut out = VecDeque::new();
+        s.apply(tokens(ids, Some(finish)), &mut out);
+        let mut seen = Vec::new();
+        for msg in out {
+            match msg {
+                InferStreamResponse::Token { token, .. } => seen.push(token),
+                InferStreamResponse::End { token, generated_text, .. } => {
+                    seen.push(token);
+                    return (generated_text.text, seen);
+                }
+                InferStreamResponse::Prefill(_) => {}
+            }
+        }
+        panic!("no End")
+    }
+
+    #[test]
+    fn keep_stop_keeps_the_matched_stop_string() {
+        let keep = TextOptions { keep_stop: true, ..Default::default() };
+        let (trimmed, _) = text_with(TextOptions::default(), &["c"], &[1, 2, 0], Finish::Length);
+        let (kept, tokens) = text_with(keep, &["c"], &[1, 2, 0], Finish::Length);
+        assert_eq!(kept, format!("{trimmed}c"));
+        assert!(kept.ends_with('c') && !trimmed.contains('c'), "{kept:?} {trimmed:?}");
+        assert_eq!(tokens.len(), 2, "the stop still ends the stream");
+    }
+
+    #[test]
+    fn special_tokens_are_left_out_unless_shown() {
+        let show = TextOptions { show_special_tokens: true, ..Default::default() };
+        let (hidden, tokens) = text_with(TextOptions::default(), &[], &[1, 4, 2], Finish::Length);
+        assert!(!hidden.contains("<e>") && tokens[1].special, "{hidden:?}");
+        let (shown, tokens) = text_with(show, &[], &[1, 4, 2], Finish::Length);
+        assert!(shown.contains("<e>") && !tokens[1].special, "{shown:?}");
+    }
+
+    #[test]
+    fn the_eos_that_ends_a_sequence_is_kept_only_with_keep_stop() {
+        let show = TextOptions { show_special_tokens: true, ..Default::default() };
+        let (text, tokens) = text_with(show, &[], &[1, 4], Finish::EosToken);
+        assert!(!text.contains("<e>") && tokens[1].special, "{text:?}");
+        let (text, _) = text_with(TextOptions { keep_stop: true, ..show }, &[], &[1, 4], Finish::EosToken);
+        assert!(text.ends_with("<e>"), "{text:?}");
+        let (text, _) =
+            text_with(TextOptions { keep_stop: true, ..Default::default() }, &[], &[1, 4], Finish::EosToken);
+        assert!(!text.contains("<e>"), "skipped special tokens stay out: {text:?}");
     }
 }

@@ -72,6 +72,11 @@ class ShardConfig:
     cpu_kernels: bool = option(True, help="compiled float32/bfloat16 CPU decode kernels: whole-layer decode up to 5 "
                                           "(bf16: 8) sequences, single-row matvec, in-place paged attention (needs a "
                                           "C++ compiler; docs/cpu.md)")
+    # models/batch_invariant.py, attention/invariant_backend.py, docs/decoding.md
+    batch_invariant: bool = option(False, help="a request's tokens and logprobs do not depend on what else shares "
+                                               "its steps (fixed-shape linears and attention, no fused decode "
+                                               "layers): N servers or data-parallel groups answer a request alike; "
+                                               "CPU, native models, float or fp8 KV cache; costs throughput")
     # models/huge_pages.py, docs/cpu.md
     huge_pages: bool = option(True, help="CPU weights and KV pool in transparent huge pages (2 MiB) where the OS "
                                          "allows it: fewer TLB misses when a decode step streams the weights")
@@ -97,6 +102,20 @@ class ShardConfig:
     kv_offload_memory: int = option(0, parse=parse_bytes,
                                     help="bytes of host memory for a KV tier without --kv-offload-dir (meant "
                                          "for a GPU pool; 0: none)")
+
+
+def check_batch_invariant(cfg: "ShardConfig") -> None:
+    """Raises ValueError where --batch-invariant cannot hold with the other options: the paths it
+    fixes are the CPU's native model code, so it refuses what would go around them."""
+    if not cfg.batch_invariant:
+        return
+    clash = [what for what, on in (("--device cuda", cfg.device != "cpu"), ("--quantize", cfg.quantize is not None),
+                                    ("--model-impl transformers", cfg.model_impl == "transformers"),
+                                    ("--kv-cache-dtype int8", cfg.kv_cache_dtype == "int8"),
+                                    ("--speculate", cfg.speculate > 0))
+             if on]  # fmt: skip
+    if clash:
+        raise ValueError(f"--batch-invariant does not combine with {', '.join(clash)}")
 
 
 def check_quantize(method: str | None, device_type: str, world_size: int) -> None:

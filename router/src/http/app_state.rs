@@ -34,6 +34,20 @@ pub struct ServerInfo {
     pub max_client_batch_size: u32,
     pub validation_workers: u32,
     pub block_size: u32,
+    // What the engine-compatible routes and metric labels report (SGLang's info routes,
+    // vLLM's cache_config_info); not in `/info`, which keeps TGI's fields and the live figures.
+    /// KV blocks of one shard group's pool (vLLM's `num_gpu_blocks`).
+    #[serde(skip)]
+    pub kv_blocks: u32,
+    /// Storage dtype of the KV pool (the model's, or "fp8_e4m3" / "fp8_e5m2" / "int8").
+    #[serde(skip)]
+    pub kv_cache_dtype: String,
+    /// Whether shared prompt prefixes reuse KV blocks (`--no-prefix-caching` turns it off).
+    #[serde(skip)]
+    pub prefix_caching: bool,
+    /// The model directory (SGLang's `model_path`).
+    #[serde(skip)]
+    pub model_path: String,
     /// Whether generation routes need `Authorization: Bearer <key>`.
     pub api_key_required: bool,
     pub has_chat_template: bool,

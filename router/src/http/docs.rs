@@ -4,8 +4,8 @@
 use axum::Json;
 use utoipa::OpenApi;
 
-use super::openai::{chat, completions};
-use super::{ops, tgi};
+use super::openai::{chat, completions, render};
+use super::{ops, sglang_info, tgi};
 
 #[derive(OpenApi)]
 #[openapi(
@@ -17,12 +17,16 @@ use super::{ops, tgi};
         tgi::tokenize,
         completions::completions,
         chat::chat_completions,
+        render::render_completion,
+        render::render_chat,
         super::responses::responses,
         super::anthropic::messages,
         super::openai::models,
         ops::health,
         ops::info,
         ops::metrics,
+        sglang_info::server_info,
+        sglang_info::model_info,
     ),
     tags(
         (name = "TGI", description = "Hugging Face text-generation-inference routes"),
@@ -88,6 +92,10 @@ mod tests {
             "/health",
             "/info",
             "/metrics",
+            "/v1/completions/render",
+            "/v1/chat/completions/render",
+            "/server_info",
+            "/model_info",
         ] {
             assert!(spec["paths"].get(path).is_some(), "missing {path}");
         }
@@ -122,6 +130,7 @@ mod tests {
     /// hand-kept lists cannot drift from the structs.
     #[test]
     fn accepted_openai_fields_are_the_schema_fields() {
+        use crate::http::openai::engine_fields::ENGINE_FIELDS;
         use crate::http::openai::types::{ChatCompletionRequest, CompletionRequest, OpenAiBody, SAMPLING_FIELDS};
         let spec = serde_json::to_value(ApiDoc::openapi()).unwrap();
         for (name, own) in
@@ -129,7 +138,7 @@ mod tests {
         {
             let documented = properties(&spec, &spec["components"]["schemas"][name]);
             let accepted: std::collections::BTreeSet<String> =
-                own.iter().chain(SAMPLING_FIELDS).map(|s| s.to_string()).collect();
+                own.iter().chain(SAMPLING_FIELDS).chain(ENGINE_FIELDS).map(|s| s.to_string()).collect();
             assert_eq!(documented, accepted, "{name}");
         }
     }

@@ -7,6 +7,7 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use serde::de::DeserializeOwned;
 
+use super::openai::engine_fields::{EngineFields, ENGINE_FIELDS};
 use super::openai::types::{OpenAiBody, SamplingParams, SAMPLING_FIELDS};
 use crate::error::RouterError;
 
@@ -58,13 +59,13 @@ where
         let Some(object) = value.as_object() else {
             return Err(RouterError::InvalidJson("the body must be a JSON object".into()));
         };
-        if let Some(key) =
-            object.keys().find(|k| !T::FIELDS.contains(&k.as_str()) && !SAMPLING_FIELDS.contains(&k.as_str()))
-        {
+        let known = |k: &str| T::FIELDS.contains(&k) || SAMPLING_FIELDS.contains(&k) || ENGINE_FIELDS.contains(&k);
+        if let Some(key) = object.keys().find(|k| !known(k)) {
             return Err(RouterError::InvalidJson(format!("`{key}`: unknown field, not supported by this route")));
         }
         // The shared fields first, on their own: inside the flattened body serde
         // buffers them, and a type error there would come without its path.
+        serde_path_to_error::deserialize::<_, EngineFields>(&value).map_err(named)?;
         serde_path_to_error::deserialize::<_, SamplingParams>(&value).map_err(named)?;
         serde_path_to_error::deserialize(&value).map(OpenAiJson).map_err(named)
     }
@@ -110,6 +111,35 @@ mod tests {
         assert_eq!(e.param().as_deref(), Some("min_tokens"), "{e}");
         let e = parse::<CompletionRequest>(r#"{"prompt": "a", "logprobs": -1}"#).await.unwrap_err();
         assert_eq!(e.param().as_deref(), Some("logprobs"), "{e}");
+    }
+
+    #[tokio::test]
+    async fn what_the_routers_send_parses_and_bad_types_are_named() {
+        let body = r#"{"model": "m", "prompt": "hello", "max_tokens": 3, "stream": false, "echo": false,
+            "no_stop_trim": false, "ignore_eos": false, "skip_special_tokens": true, "return_hidden_states": false}"#;
+        let r = parse::<CompletionRequest>(body).await.unwrap();
+        assert_eq!(r.sampling.engine.skip_special_tokens, Some(true));
+        let body = r#"{"messages": [{"role": "user", "content": "hi"}], "model": "m", "logprobs": false,
+            "max_completion_tokens": 3, "stream": true, "no_stop_trim": false, "ignore_eos": false,
+            "continue_final_message": false, "skip_special_tokens": true, "separate_reasoning": true,
+            "stream_reasoning": true, "return_hidden_states": false, "include_reasoning": true}"#;
+        let r = parse::<ChatCompletionRequest>(body).await.unwrap();
+        assert_eq!((r.separate_reasoning, r.include_reasoning), (Some(true), Some(true)));
+        for (body, field) in [
+            (r#"{"prompt": "a", "no_stop_trim": "yes"}"#, "no_stop_trim"),
+            (r#"{"prompt": "a", "skip_special_tokens": 1}"#, "skip_special_tokens"),
+            (r#"{"prompt": "a", "structured_outputs": {"regex": 5}}"#, "structured_outputs.regex"),
+            (r#"{"messages": [], "continue_final_message": "no"}"#, "continue_final_message"),
+            (r#"{"messages": [], "separate_reasoning": []}"#, "separate_reasoning"),
+        ] {
+            let e = match body.contains("messages") {
+                true => parse::<ChatCompletionRequest>(body).await.unwrap_err(),
+                false => parse::<CompletionRequest>(body).await.unwrap_err(),
+            };
+            assert_eq!(e.param().as_deref(), Some(field), "{e}");
+        }
+        let e = parse::<CompletionRequest>(r#"{"prompt": "a", "rid": "x"}"#).await.unwrap_err();
+        assert_eq!(e.param().as_deref(), Some("rid"), "other engines' fields stay unknown: {e}");
     }
 
     #[tokio::test]

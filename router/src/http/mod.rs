@@ -1,7 +1,8 @@
 //! HTTP surface: one directory per API (tgi/, openai/, responses/,
 //! anthropic/), the chat pipeline the chat-shaped APIs share (chat/), SSE
-//! framing (sse.rs), body extraction, auth, OpenAPI; `router` wires the
-//! routes.
+//! framing (sse.rs), body extraction, auth, OpenAPI, and what routers in
+//! front of many servers read (vLLM's render routes in openai/, SGLang's
+//! info routes); `router` wires the routes.
 
 pub mod anthropic;
 mod app_state;
@@ -14,6 +15,7 @@ pub mod openai;
 mod ops;
 pub mod response_meta;
 pub mod responses;
+mod sglang_info;
 pub mod sse;
 mod tenant;
 pub mod tgi;
@@ -32,6 +34,8 @@ pub fn router(app: AppState, payload_limit: usize) -> Router {
     let openai = Router::new()
         .route("/v1/completions", post(openai::completions::completions))
         .route("/v1/chat/completions", post(openai::chat::chat_completions))
+        .route("/v1/completions/render", post(openai::render::render_completion))
+        .route("/v1/chat/completions/render", post(openai::render::render_chat))
         .route("/v1/responses", post(responses::responses))
         .route("/v1/models", get(openai::models))
         .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key))
@@ -53,6 +57,10 @@ pub fn router(app: AppState, payload_limit: usize) -> Router {
         .route("/health", get(ops::health))
         .route("/info", get(ops::info))
         .route("/metrics", get(ops::metrics))
+        .route("/server_info", get(sglang_info::server_info))
+        .route("/get_server_info", get(sglang_info::server_info))
+        .route("/model_info", get(sglang_info::model_info))
+        .route("/get_model_info", get(sglang_info::model_info))
         .route("/openapi.json", get(docs::openapi_json));
     protected
         .merge(open)

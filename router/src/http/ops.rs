@@ -114,11 +114,19 @@ fn group_info(i: usize, g: &crate::shared_state::GroupStats) -> serde_json::Valu
     })
 }
 
-/// Prometheus text format, `pagemill_*` names.
+/// Prometheus text format: `pagemill_*` names, and the vLLM and SGLang names gateways read.
 #[utoipa::path(get, path = "/metrics", tag = "Ops",
     responses((status = 200, description = "Prometheus metrics", body = String, content_type = "text/plain")))]
 pub async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&app.state))
+    let info = &app.info;
+    let facts = crate::metrics::EngineFacts {
+        model_name: info.model_id.clone(),
+        block_size: info.block_size,
+        num_gpu_blocks: info.kv_blocks,
+        cache_dtype: info.kv_cache_dtype.clone(),
+        prefix_caching: info.prefix_caching,
+    };
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&app.state, &facts))
 }
 
 #[cfg(test)]

@@ -1,11 +1,13 @@
 //! `/metrics`: Prometheus text exposition of everything the router
 //! measures, in one fixed order: scheduler gauges, queue by priority,
 //! scheduler counters, the second KV tier, per-group figures, HTTP
-//! responses, then the latency histograms.
+//! responses, the latency histograms, then the same quantities under the
+//! vLLM and SGLang names gateways read.
 
 use std::fmt::Write;
 use std::sync::atomic::AtomicU64;
 
+use super::gateway_names::{self, EngineFacts};
 use super::histogram::Histogram;
 use super::kv_tier;
 use crate::shared_state::{GroupStats, RouterState};
@@ -22,7 +24,7 @@ fn get(v: &AtomicU64) -> f64 {
 }
 
 /// Prometheus text exposition of everything the router measures.
-pub fn render(st: &RouterState) -> String {
+pub fn render(st: &RouterState, facts: &EngineFacts) -> String {
     let mut out = String::new();
     for (name, help, v) in gauges(st) {
         scalar(&mut out, name, "gauge", help, v);
@@ -47,6 +49,7 @@ pub fn render(st: &RouterState) -> String {
     render_groups(st, &mut out);
     render_http(st, &mut out);
     render_histograms(st, &mut out);
+    gateway_names::render(st, facts, &mut out);
     out
 }
 
@@ -201,7 +204,7 @@ mod tests {
         st.metrics.count_http("/generate", 200);
         st.metrics.count_http("/v1/chat/completions", 422);
         *st.queue_by_priority.lock().unwrap() = vec![(-1, 2), (0, 5)];
-        let text = render(&st);
+        let text = render(&st, &EngineFacts::default());
         assert!(text.contains("pagemill_queue_size_by_priority{priority=\"-1\"} 2\n"));
         assert!(text.contains("pagemill_queue_size_by_priority{priority=\"0\"} 5\n"));
         assert!(text.contains("\npagemill_kv_blocks_used 6\n"));
@@ -216,9 +219,22 @@ mod tests {
         let st = RouterState::with_groups(2);
         RouterState::set(&st.groups[1].prefill_tokens_total, 42);
         st.groups[0].serving.store(false, std::sync::atomic::Ordering::SeqCst);
-        let text = render(&st);
+        let text = render(&st, &EngineFacts::default());
         assert!(text.contains("pagemill_group_prefill_tokens_total{group=\"1\"} 42\n"), "{text}");
         assert!(text.contains("pagemill_group_serving{group=\"0\"} 0\n"));
         assert!(text.contains("pagemill_group_serving{group=\"1\"} 1\n"));
+    }
+
+    /// Every metric family `/metrics` writes is in docs/metrics.md.
+    #[test]
+    fn every_metric_is_documented() {
+        let docs = include_str!("../../../docs/metrics.md");
+        let st = RouterState::with_groups(1);
+        let text = render(&st, &EngineFacts::default());
+        let families: Vec<&str> = text.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.split(' ').next()).collect();
+        assert!(families.len() > 60, "{families:?}");
+        for name in families {
+            assert!(docs.contains(&format!("`{name}`")), "{name} is not in docs/metrics.md");
+        }
     }
 }

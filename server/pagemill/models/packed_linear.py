@@ -90,6 +90,7 @@ class PackedLinear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's copy, or gemm_bf16's where self.gemm is set
     matvec = None  # cpu_kernels.MatvecKernel, set by pack() where it builds
     gemm = None  # cpu_kernels.gemm.GemmBf16Kernel, set by pack() for bf16 where it pays
+    invariant = False  # --batch-invariant: fixed-shape row tiles (models/batch_invariant.py)
 
     def pack(self, cpu_kernels: bool = True, bf16_linear: str = "auto") -> None:
         """(Re)builds the packed copy from the current weight; no-op where unsupported.
@@ -122,6 +123,10 @@ class PackedLinear(nn.Linear):
         rows = x.shape[0] if x.dim() == 2 else 0
         if x.dtype != self.weight.dtype or rows == 0 or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, self.weight, bias)  # the packed ops have no backward
+        if self.invariant:
+            from pagemill.models.batch_invariant import invariant_linear
+
+            return invariant_linear(x, self.weight, bias)
         if self.matvec is not None and rows <= MATVEC_MAX_ROWS:
             return self.matvec(x.contiguous(), self.weight, bias)
         if self.gemm is not None and (bias is None or bias.dtype == x.dtype):

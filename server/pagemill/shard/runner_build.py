@@ -9,7 +9,9 @@ import logging
 import os
 
 from pagemill.attention.backend import select_backend
-from pagemill.config import ShardConfig
+from pagemill.attention.invariant_backend import BatchInvariantAttention
+from pagemill.config import ShardConfig, check_batch_invariant
+from pagemill.models.batch_invariant import make_batch_invariant
 from pagemill.models.auto_dtype import resolve_dtype
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
@@ -28,12 +30,20 @@ def runner_kwargs(cfg: ShardConfig, group: ParallelGroup | None) -> tuple[LlamaF
     group = group or ParallelGroup.single(cfg.device)
     device = group.device  # with several CUDA ranks: this rank's GPU
     block_size = resolve_block_size(cfg.block_size, device.type)
-    backend = select_backend(cfg.attention, device, cpu_kernels=cfg.cpu_kernels)
+    check_batch_invariant(cfg)
+    # --batch-invariant: the compiled kernels choose paths by batch size, so none of them.
+    cpu_kernels = cfg.cpu_kernels and not cfg.batch_invariant
+    if cfg.batch_invariant:
+        backend = BatchInvariantAttention()
+    else:
+        backend = select_backend(cfg.attention, device, cpu_kernels=cpu_kernels)
     dtype, why = resolve_dtype(cfg.dtype, device)
     log.info("dtype %s (%s)", dtype, why)
     model, config = load_model(cfg.model_dir, parse_dtype(dtype), device, backend, group,
-                               cpu_kernels=cfg.cpu_kernels, quantize=cfg.quantize, model_impl=cfg.model_impl,
+                               cpu_kernels=cpu_kernels, quantize=cfg.quantize, model_impl=cfg.model_impl,
                                huge_pages=cfg.huge_pages)  # fmt: skip
+    if cfg.batch_invariant:
+        log.info("batch-invariant: %d linears on fixed-shape row tiles", make_batch_invariant(model))
     draft = None
     if cfg.speculate > 0 and cfg.speculate_method == "draft":
         if not cfg.draft_model:
@@ -41,7 +51,7 @@ def runner_kwargs(cfg: ShardConfig, group: ParallelGroup | None) -> tuple[LlamaF
         # The draft is small: every rank runs all of it (replicated, no
         # communication), fed the same inputs and sampler, so proposals agree.
         d_model, d_config = load_model(cfg.draft_model, parse_dtype(dtype), device, backend,
-                                       cpu_kernels=cfg.cpu_kernels)  # fmt: skip
+                                       cpu_kernels=cpu_kernels)  # fmt: skip
         draft = DraftProposer(d_model, d_config, device, block_size)
     kwargs = dict(
         device=device,
@@ -54,7 +64,7 @@ def runner_kwargs(cfg: ShardConfig, group: ParallelGroup | None) -> tuple[LlamaF
         draft=draft,
         cuda_graphs=cfg.cuda_graphs,
         kv_cache_dtype=cfg.kv_cache_dtype,
-        cpu_kernels=cfg.cpu_kernels,
+        cpu_kernels=cpu_kernels,
         kv_offload=TierOptions(cfg.kv_offload_dir, cfg.kv_offload_disk, cfg.kv_offload_memory),
         adaptive_threads=cfg.adaptive_threads,
         huge_pages=cfg.huge_pages,

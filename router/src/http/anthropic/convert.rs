@@ -151,6 +151,7 @@ pub fn to_chat(req: &MessagesRequest) -> Result<ChatCompletionRequest, RouterErr
         tool_choice,
         parallel_tool_calls,
         chat_template_kwargs: None,
+        ..Default::default()
     })
 }
 

@@ -24,9 +24,9 @@ pub struct PreparedChat {
 
 pub fn prepare(app: &AppState, req: &ChatCompletionRequest, top_n: Option<u32>) -> Result<PreparedChat, RouterError> {
     let invalid = |m: &str| RouterError::Validation(m.to_string());
+    req.check_engine_fields()?;
     let prompt = render_prompt(app, req)?;
-    let max_tokens = req.max_completion_tokens.or(req.sampling.max_tokens);
-    let mut parameters = req.sampling.to_parameters(max_tokens, top_n)?;
+    let mut parameters = req.sampling.to_parameters(req.max_new_tokens()?, top_n)?;
     let plan = ToolPlan::new(app.tool_format, req.tools.as_deref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
     if let Some(p) = &plan {
         if let Some(forced) = &p.force {

@@ -1,8 +1,11 @@
 //! A chat request's prompt: its messages as the chat template sees them,
-//! rendered with the model's template (tools and template kwargs included).
+//! rendered with the model's template (tools, template kwargs and
+//! `reasoning_effort` included), closed by a new assistant turn or left
+//! open in the final assistant message (`continue_final_message`).
 
 use serde_json::Value as Json_;
 
+use crate::chat_template::continue_final;
 use crate::error::RouterError;
 use crate::http::openai::types::{ChatCompletionRequest, ChatMessage, ContentPart, MessageContent, ROLES};
 use crate::http::AppState;
@@ -63,13 +66,23 @@ fn template_messages(messages: &[ChatMessage]) -> Result<Vec<Json_>, RouterError
         .collect()
 }
 
-/// The rendered prompt for a chat request (also what `/v1/chat/completions` generates from).
+/// The rendered prompt for a chat request (also what `/v1/chat/completions` generates from):
+/// the turn opened for the reply, or the final assistant message left open to continue.
 pub fn render_prompt(app: &AppState, req: &ChatCompletionRequest) -> Result<String, RouterError> {
     let template = app.chat_template.as_ref().as_ref().map_err(|e| invalid(e.clone()))?;
+    let end = req.prompt_end()?;
     let messages = template_messages(&req.messages)?;
     let mut extra = req.chat_template_kwargs.clone().unwrap_or_default();
     if let Some(tools) = &req.tools {
         extra.insert("tools".into(), serde_json::to_value(tools).unwrap_or_default());
     }
-    template.apply(&messages, true, extra)
+    if let Some(effort) = req.reasoning_effort()? {
+        extra.insert("reasoning_effort".into(), Json_::String(effort.to_string()));
+    }
+    let rendered = template.apply(&messages, end.add_generation_prompt, extra)?;
+    if !end.continue_final_message {
+        return Ok(rendered);
+    }
+    let last = messages.last().and_then(|m| m["content"].as_str()).unwrap_or_default();
+    continue_final(&rendered, last)
 }

@@ -17,6 +17,7 @@ use super::types::{
 };
 use super::{logprobs, OPENAI};
 use crate::error::{OpenAiErrorBody, RouterError};
+use crate::http::chat::engine_chat::ReasoningOut;
 use crate::http::chat::prepare::{prepare, PreparedChat};
 use crate::http::chat::reply::{self, CallDelta, StepDelta, StreamSplitter};
 use crate::http::extract::OpenAiJson;
@@ -34,8 +35,13 @@ fn invalid(msg: impl Into<String>) -> RouterError {
 /// How each choice's text is read back: tool calls, the think block, logprobs.
 struct ReplyPlan {
     plan: Option<ToolPlan>,
+    /// With --reasoning-parser, and the reasoning not left in the content.
     think: Option<bool>,
     want_logprobs: bool,
+    /// The reasoning is not returned (`include_reasoning: false`).
+    drop_reasoning: bool,
+    /// Streamed reasoning is held and sent in one delta when it ends (`stream_reasoning: false`).
+    hold_reasoning: bool,
 }
 
 /// Chat completion (OpenAI API).
@@ -58,14 +64,22 @@ pub async fn chat_completions(
     tenant.fill(&mut req.sampling.user);
     let want_logprobs = req.logprobs.unwrap_or(false);
     let top_n = top_logprobs(&app, &req, want_logprobs)?;
+    let reasoning = req.reasoning_out()?;
     let PreparedChat { input, n, plan, think } = prepare(&app, &req, top_n)?;
     let meta = ResponseMeta::new(&app, "chatcmpl");
-    let reply = ReplyPlan { plan, think, want_logprobs };
+    let reply = ReplyPlan {
+        plan,
+        think: think.filter(|_| reasoning != ReasoningOut::Inline),
+        want_logprobs,
+        drop_reasoning: reasoning == ReasoningOut::Drop,
+        hold_reasoning: !req.stream_reasoning(),
+    };
     if req.sampling.stream {
         let handles = app.infer.generate_streams(input, n, "n").await?;
         let prompt_tokens = handles.first().map_or(0, |h| h.request.input_ids.len() as u32);
         let tokenizer = app.infer.validation().tokenizer().clone();
-        let mut chunks = Chunks { meta: meta.clone(), tokenizer, reply, splitters: HashMap::new() };
+        let mut chunks =
+            Chunks { meta: meta.clone(), tokenizer, reply, splitters: HashMap::new(), held: HashMap::new() };
         let chunk = move |msg: &ChoiceMsg| chunks.events(msg);
         let usage = req.sampling.include_usage().then(|| {
             let usage =
@@ -119,7 +133,7 @@ fn whole_choice(index: u32, r: &InferResponse, reply: &ReplyPlan, tokenizer: &To
         message: ChatResponseMessage {
             role: "assistant".into(),
             content,
-            reasoning_content: split.reasoning,
+            reasoning_content: split.reasoning.filter(|_| !reply.drop_reasoning),
             tool_calls: split.tool_calls,
         },
         logprobs: reply.want_logprobs.then(|| ChatLogprobs {
@@ -136,6 +150,8 @@ struct Chunks {
     tokenizer: Arc<Tokenizer>,
     reply: ReplyPlan,
     splitters: HashMap<u32, StreamSplitter>,
+    /// Each choice's reasoning held back (`stream_reasoning: false`).
+    held: HashMap<u32, String>,
 }
 
 impl Chunks {
@@ -151,7 +167,7 @@ impl Chunks {
         let text = if token.special { "" } else { token.text.as_str() };
         let (plan, think) = (self.reply.plan.as_ref(), self.reply.think);
         let splitter = self.splitters.entry(msg.index).or_insert_with(|| StreamSplitter::new(plan, think));
-        let step = splitter.push(text, generated.is_some());
+        let mut step = splitter.push(text, generated.is_some());
         let finish = generated.map(|g| {
             if splitter.calls_finished() {
                 "tool_calls".to_string()
@@ -159,8 +175,28 @@ impl Chunks {
                 g.finish_reason.openai().to_string()
             }
         });
+        self.place_reasoning(msg.index, &mut step, finish.is_some());
         let choices = step_choices(msg.index, step, logprobs, finish);
         choices.into_iter().map(|c| json_event(&chunk_of(&self.meta, vec![c], None))).collect()
+    }
+}
+
+impl Chunks {
+    /// A step's reasoning dropped, held, or (held so far and) sent: held
+    /// reasoning goes out once the answer starts or the reply ends.
+    fn place_reasoning(&mut self, index: u32, step: &mut StepDelta, last: bool) {
+        if self.reply.drop_reasoning {
+            step.reasoning.clear();
+            return;
+        }
+        if !self.reply.hold_reasoning {
+            return;
+        }
+        let held = self.held.entry(index).or_default();
+        held.push_str(&std::mem::take(&mut step.reasoning));
+        if last || !step.content.is_empty() || !step.tool_calls.is_empty() {
+            step.reasoning = std::mem::take(held);
+        }
     }
 }
 

@@ -14,12 +14,14 @@ use super::scoring::{scoring, vllm_prompt_logprobs, Scoring};
 use super::types::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput, Usage};
 use super::{logprobs, OPENAI};
 use crate::error::{OpenAiErrorBody, RouterError};
+use crate::grammar::GrammarParam;
 use crate::http::extract::OpenAiJson;
 use crate::http::response_meta::ResponseMeta;
 use crate::http::sse::{self, json_event, ChoiceEvent, ChoiceMsg, UsageFn};
 use crate::http::tenant::Tenant;
 use crate::http::{headers, AppState};
 use crate::infer::{GenerateInput, InferResponse};
+use crate::request::GenerateParameters;
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())
@@ -50,9 +52,7 @@ pub async fn completions(
     let prompts = prompts(&req, &tokenizer);
     check(&app, &req, prompts.len())?;
     let scored = scoring(&req)?;
-    let mut parameters = req.sampling.to_parameters(scored.max_tokens(req.sampling.max_tokens), req.logprobs)?;
-    parameters.decoder_input_details = scored.prompt;
-    parameters.extras.prompt_top_n = scored.top_n;
+    let parameters = parameters(&req)?;
     let n = req.sampling.n.unwrap_or(1);
     let meta = ResponseMeta::new(&app, "cmpl");
     let inputs: Vec<GenerateInput> = prompts
@@ -105,8 +105,8 @@ fn prompts(req: &CompletionRequest, tokenizer: &Tokenizer) -> Vec<Prompt> {
         .collect()
 }
 
-/// What this route refuses before generating anything.
-fn check(app: &AppState, req: &CompletionRequest, num_prompts: usize) -> Result<(), RouterError> {
+/// What this route (and its render) refuses before generating anything.
+pub(super) fn check(app: &AppState, req: &CompletionRequest, num_prompts: usize) -> Result<(), RouterError> {
     if num_prompts == 0 {
         return Err(invalid("`prompt` must not be empty"));
     }
@@ -125,7 +125,38 @@ fn check(app: &AppState, req: &CompletionRequest, num_prompts: usize) -> Result<
     if req.echo && req.sampling.stream {
         return Err(invalid("`echo` is not supported with `stream`"));
     }
-    Ok(())
+    check_engine_fields(req)
+}
+
+/// The generation parameters, with what the request asks of its prompt (`scoring.rs`); SGLang's
+/// `json_schema` is one more way to give the grammar.
+pub fn parameters(req: &CompletionRequest) -> Result<GenerateParameters, RouterError> {
+    let scored = scoring(req)?;
+    let mut parameters = req.sampling.to_parameters(scored.max_tokens(req.sampling.max_tokens), req.logprobs)?;
+    parameters.decoder_input_details = scored.prompt;
+    parameters.extras.prompt_top_n = scored.top_n;
+    if let Some(schema) = req.json_schema.clone().filter(|s| !s.is_null()) {
+        if parameters.grammar.is_some() {
+            return Err(invalid("`json_schema` cannot be combined with another constraint: give one"));
+        }
+        parameters.grammar = Some(GrammarParam::Json(schema));
+    }
+    Ok(parameters)
+}
+
+/// `suffix` (fill-in-the-middle) and `best_of` above `n` are not done.
+fn check_engine_fields(req: &CompletionRequest) -> Result<(), RouterError> {
+    if req.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(RouterError::Unsupported("`suffix`: fill-in-the-middle is not supported".into()));
+    }
+    let n = req.sampling.n.unwrap_or(1);
+    match req.best_of {
+        Some(b) if b < n => Err(invalid(format!("`best_of` must be >= `n`. Given: best_of {b}, n {n}"))),
+        Some(b) if b > n => Err(RouterError::Unsupported(format!(
+            "`best_of`: only equal to `n` (every generated choice is returned). Given: best_of {b}, n {n}"
+        ))),
+        _ => Ok(()),
+    }
 }
 
 /// One choice of a whole reply. With `max_tokens: 0` the generated token is left out: the

@@ -4,8 +4,11 @@
 
 pub mod chat;
 pub mod completions;
+pub mod engine_fields;
 mod logprobs;
+pub mod render;
 mod scoring;
+pub mod structured_outputs;
 pub mod types;
 
 use axum::extract::State;
@@ -48,6 +51,7 @@ impl SamplingParams {
                 return Err(invalid(format!("`max_tokens` must be strictly positive, got {m}")));
             }
         }
+        self.engine.check()?;
         let greedy = self.temperature == Some(0.0);
         let sample = |v| if greedy { None } else { v };
         Ok(GenerateParameters {
@@ -58,21 +62,22 @@ impl SamplingParams {
             do_sample: !greedy,
             max_new_tokens: max_tokens,
             stop: self.stop.clone().map(|s| s.into_vec()).unwrap_or_default(),
-            seed: self.seed,
+            seed: self.engine.seed(self.seed)?,
             presence_penalty: self.presence_penalty,
             frequency_penalty: self.frequency_penalty,
             repetition_penalty: self.repetition_penalty,
             top_n_tokens: top_n_tokens.map(i64::from),
-            grammar: self.response_format.as_ref().and_then(|f| f.to_grammar()),
+            grammar: self.engine.grammar(self.response_format.as_ref())?,
             ignore_eos_token: self.ignore_eos,
             priority: self.priority,
-            user: self.user.clone(),
+            user: self.user.clone().or_else(|| self.engine.safety_identifier.clone()),
             extras: SamplingExtras {
                 min_new_tokens: self.min_tokens,
                 stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
                 logit_bias: self.logit_bias.iter().flatten().map(|(k, v)| (k.clone(), *v)).collect(),
                 lark: None,
                 prompt_top_n: 0,
+                text: self.engine.text_options()?,
             },
             ..Default::default()
         })

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 use utoipa::ToSchema;
 
+use super::engine_fields::EngineFields;
 use crate::grammar::ResponseFormat;
 use crate::request::null_default;
 use crate::tools::{Tool, ToolChoice};
@@ -77,9 +78,12 @@ pub struct SamplingParams {
     pub logit_bias: Option<BTreeMap<String, f32>>,
     /// Extension (vLLM): scheduling priority, lower first (default 0).
     pub priority: Option<i64>,
+    /// The fields vLLM's and SGLang's servers add (their routers send them with every request).
+    #[serde(flatten)]
+    pub engine: EngineFields,
 }
 
-/// Every field `SamplingParams` reads (the shared part of both request bodies).
+/// Every field `SamplingParams` reads itself (`ENGINE_FIELDS` come on top) (the shared part of both request bodies).
 pub const SAMPLING_FIELDS: &[&str] = &[
     "model",
     "max_tokens",
@@ -112,7 +116,8 @@ pub trait OpenAiBody {
 }
 
 impl OpenAiBody for CompletionRequest {
-    const FIELDS: &'static [&'static str] = &["prompt", "logprobs", "echo", "prompt_logprobs"];
+    const FIELDS: &'static [&'static str] =
+        &["prompt", "logprobs", "echo", "prompt_logprobs", "suffix", "best_of", "json_schema"];
 }
 
 impl OpenAiBody for ChatCompletionRequest {
@@ -125,6 +130,19 @@ impl OpenAiBody for ChatCompletionRequest {
         "tool_choice",
         "parallel_tool_calls",
         "chat_template_kwargs",
+        "continue_final_message",
+        "add_generation_prompt",
+        "separate_reasoning",
+        "stream_reasoning",
+        "include_reasoning",
+        "reasoning_effort",
+        "echo",
+        "functions",
+        "function_call",
+        "service_tier",
+        "verbosity",
+        "metadata",
+        "modalities",
     ];
 }
 
@@ -171,6 +189,13 @@ pub struct CompletionRequest {
     /// Extension (vLLM): return the logprob of each prompt token in `choices[].prompt_logprobs`
     /// (`null` for the first) with this many alternatives, cached prefix or not.
     pub prompt_logprobs: Option<u32>,
+    /// Only `null` or `""`: no fill-in-the-middle.
+    pub suffix: Option<String>,
+    /// Only `null` or equal to `n`: every generated choice is returned.
+    pub best_of: Option<u32>,
+    /// Extension (SGLang): a JSON schema (as a string) the output follows.
+    #[schema(value_type = Option<Object>)]
+    pub json_schema: Option<serde_json::Value>,
 }
 
 #[derive(Debug, Clone, Deserialize, ToSchema)]
@@ -214,12 +239,12 @@ impl ChatMessage {
     }
 }
 
-#[derive(Debug, Clone, Deserialize, ToSchema)]
+#[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct ChatCompletionRequest {
     pub messages: Vec<ChatMessage>,
     #[serde(flatten)]
     pub sampling: SamplingParams,
-    /// Newer name of `max_tokens`; wins when both are set.
+    /// Newer name of `max_tokens`; both given and different is a 400.
     pub max_completion_tokens: Option<i64>,
     /// Return logprobs of the chosen tokens.
     pub logprobs: Option<bool>,
@@ -235,6 +260,37 @@ pub struct ChatCompletionRequest {
     pub parallel_tool_calls: Option<bool>,
     /// Extra variables for the chat template (vLLM's extension).
     pub chat_template_kwargs: Option<serde_json::Map<String, serde_json::Value>>,
+    // The fields vLLM's and SGLang's chat servers add (their routers send most
+    // of them with every request); what each does: http/chat/engine_chat.rs.
+    /// Render the template without closing the last (assistant) message, which the reply continues.
+    pub continue_final_message: Option<bool>,
+    /// Open the assistant's turn after the messages (default true; false with `continue_final_message`).
+    pub add_generation_prompt: Option<bool>,
+    /// SGLang, with --reasoning-parser: reasoning in `reasoning_content` (default true) or left in `content`.
+    pub separate_reasoning: Option<bool>,
+    /// SGLang: stream the reasoning as it comes (default true), or in one delta when it ends.
+    pub stream_reasoning: Option<bool>,
+    /// vLLM: return the reasoning (default true); false drops it.
+    pub include_reasoning: Option<bool>,
+    /// OpenAI: passed to the chat template as `reasoning_effort`.
+    pub reasoning_effort: Option<String>,
+    /// vLLM: only `false` (the reply is not prefixed with the last message).
+    pub echo: Option<bool>,
+    /// OpenAI's deprecated functions: only `null` (use `tools`).
+    #[schema(value_type = Option<Object>)]
+    pub functions: Option<serde_json::Value>,
+    /// Only `null` (use `tool_choice`).
+    #[schema(value_type = Option<Object>)]
+    pub function_call: Option<serde_json::Value>,
+    /// OpenAI: only `null`, "auto" or "default".
+    pub service_tier: Option<String>,
+    /// OpenAI: only `null` or "medium".
+    pub verbosity: Option<String>,
+    /// OpenAI: only `null` (nothing is stored).
+    #[schema(value_type = Option<Object>)]
+    pub metadata: Option<serde_json::Value>,
+    /// OpenAI: only `null` or `["text"]`.
+    pub modalities: Option<Vec<String>>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

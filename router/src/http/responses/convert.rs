@@ -123,6 +123,7 @@ pub fn to_chat(req: &ResponsesRequest) -> Result<ChatCompletionRequest, RouterEr
         tool_choice,
         parallel_tool_calls: req.parallel_tool_calls,
         chat_template_kwargs: None,
+        ..Default::default()
     })
 }
 

@@ -10,7 +10,7 @@
 #include <omp.h>
 #include <stdint.h>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -34,6 +34,17 @@ float pagemill_read(const void* p, int64_t bytes, int threads) {
     }
     if (l < l1) s0 = _mm512_add_ps(s0, _mm512_loadu_ps(q + 64 * l));
     total += _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+#elif defined(__AVX2__)
+    // Without AVX-512 the scalar loop below is one dependent add per 4 bytes: it read 1.8 GB/s
+    // on the 2-core Zen 3 of the quant kernels' benchmark, where torch's sum read 6.5.
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    for (int64_t l = l0; l < l1; ++l) {
+      s0 = _mm256_add_ps(s0, _mm256_loadu_ps((const float*)(q + 64 * l)));
+      s1 = _mm256_add_ps(s1, _mm256_loadu_ps((const float*)(q + 64 * l + 32)));
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(s0, s1));
+    for (float v : lanes) total += v;
 #else
     const float* f = (const float*)(q + 64 * l0);
     float s = 0.f;
