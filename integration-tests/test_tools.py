@@ -243,7 +243,7 @@ def test_strict_schemas_allow_no_other_keys(client):
     closed = json.loads(json.dumps(STRICT["function"]["parameters"]))
     closed["additionalProperties"] = False
     closed["properties"]["tags"]["items"]["additionalProperties"] = False
-    r = client.chat.completions.create(model="m", messages=ASK, tools=[STRICT], tool_choice="required", n=6,
+    r = client.chat.completions.create(model="m", messages=ASK, tools=[STRICT], tool_choice="required", n=4,
                                        temperature=1.5, seed=7, max_tokens=200, parallel_tool_calls=False)
     calls = [c for choice in r.choices for c in choice.message.tool_calls or []]
     assert len(calls) >= 3, r.choices
