@@ -18,11 +18,11 @@ from server import free_port
 
 # The command line each router is started with (docs/deploy.md shows the same).
 COMMANDS = {
-    "vllm-router": lambda workers, port, prom: [
-        "vllm-router", "--worker-urls", *workers, "--policy", "cache_aware", "--host", "127.0.0.1",
+    "vllm-router": lambda workers, port, prom, policy: [
+        "vllm-router", "--worker-urls", *workers, "--policy", policy, "--host", "127.0.0.1",
         "--port", str(port), "--prometheus-port", str(prom), "--log-level", "warning"],
-    "sglang-router": lambda workers, port, prom: [
-        "sglang-router", "launch", "--worker-urls", *workers, "--policy", "cache_aware", "--host", "127.0.0.1",
+    "sglang-router": lambda workers, port, prom, policy: [
+        "sglang-router", "launch", "--worker-urls", *workers, "--policy", policy, "--host", "127.0.0.1",
         "--port", str(port), "--prometheus-port", str(prom), "--log-level", "warn"],
 }
 
@@ -51,12 +51,14 @@ class Router:
                 self.proc.wait(10)
 
 
-def start_router(name: str, workers: list[str], model_id: str, timeout: float = 60) -> Router:
-    """`name` in front of `workers`, ready once it lists `model_id` and a chat request goes through."""
+def start_router(name: str, workers: list[str], model_id: str, timeout: float = 60, policy: str = "cache_aware",
+                 extra: tuple[str, ...] = ()) -> Router:
+    """`name` in front of `workers` with `policy` (and `extra` arguments), ready once it lists
+    `model_id` and a chat request goes through."""
     if shutil.which(name) is None:
         raise RuntimeError(f"`{name}` is not installed: pip install -e '.[test]'")
     port = free_port()
-    argv = COMMANDS[name](workers, port, free_port())
+    argv = [*COMMANDS[name](workers, port, free_port(), policy), *extra]
     env = dict(os.environ, HF_HUB_OFFLINE="1", RUST_LOG="warn")
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     router = Router(name, proc, port)

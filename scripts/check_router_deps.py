@@ -47,6 +47,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("request stream", ["stream.rs", "detokenize.rs", "stop.rs"]),
     ("validation", ["validation.rs"]),
     ("batching loop", ["batching/*"]),
+    ("kv events publisher", ["kv_events/*"]),
     ("routing", ["routing/*"]),
     ("scheduler", ["scheduler/*"]),
     ("queue", ["queue.rs"]),

@@ -137,6 +137,16 @@ pub struct RouterConfig {
     /// largest `n` (OpenAI) / `best_of` (TGI) of one request
     #[arg(long, default_value_t = 4)]
     pub max_best_of: u32,
+    /// publish KV-cache events in vLLM's format for routers and gateways in front of several servers
+    /// (vllm-router's kv_aware policy, llm-d): vLLM's KVEventsConfig as JSON, e.g.
+    /// '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557",
+    /// "replay_endpoint": "tcp://*:5558", "topic": "kv"}' (docs/kv_cache.md)
+    #[arg(long, value_name = "JSON", value_parser = crate::kv_events::KvEventsConfig::parse)]
+    pub kv_events_config: Option<crate::kv_events::KvEventsConfig>,
+    /// how the events in a KV event batch are encoded: maps tagged under "type" (map: vLLM now, as
+    /// vllm-router reads them) or arrays led by the tag (array: vLLM before, as llm-d's indexer reads them)
+    #[arg(long, value_enum, default_value_t = crate::kv_events::Layout::Map)]
+    pub kv_events_layout: crate::kv_events::Layout,
     /// level of the router's log: error, warn, info, debug or trace
     #[arg(long, default_value = "info")]
     pub log_level: String,
@@ -459,6 +469,18 @@ mod tests {
         assert!(c.shard_auth().unwrap_err().contains("no token"));
         std::fs::remove_file(&dir).unwrap();
         assert_eq!(RouterConfig::default().routing, crate::routing::Routing::Prefix);
+    }
+
+    #[test]
+    fn kv_events_config_is_vllms_json_checked_at_parse() {
+        let json = r#"{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "topic": "kv"}"#;
+        let c = parse(&["--kv-events-config", json, "--kv-events-layout", "array"]).unwrap();
+        let k = c.kv_events_config.unwrap();
+        assert!(k.publishes() && k.topic == "kv" && k.buffer_steps == 10_000);
+        assert_eq!(c.kv_events_layout, crate::kv_events::Layout::Array);
+        let err = parse(&["--kv-events-config", r#"{"enable": true}"#]).unwrap_err().to_string();
+        assert!(err.contains("unknown field `enable`"), "{err}");
+        assert!(RouterConfig::default().kv_events_config.is_none());
     }
 
     #[test]

@@ -10,6 +10,7 @@ use tokio::sync::mpsc;
 use crate::batching::BatchingLoop;
 use crate::client::{ShardAddr, ShardAuth, ShardedClient};
 use crate::kv::KvManager;
+use crate::kv_events::EventSink;
 use crate::proto::pb;
 use crate::routing::{GroupHandle, Placer, Routing};
 use crate::scheduler::SchedulerConfig;
@@ -52,19 +53,23 @@ pub async fn connect(
 }
 
 /// One loop per group behind one placer; returns the placer and the loops' tasks.
+/// With `events`, each group's KV-cache events are published through it.
 pub fn start(
     groups: &[Group],
     config: SchedulerConfig,
-    prefix_caching: bool,
-    routing: Routing,
+    (prefix_caching, routing): (bool, Routing),
     warmup: &pb::WarmupRequest,
     state: &Arc<RouterState>,
+    events: Option<EventSink>,
 ) -> (Arc<Placer>, Vec<tokio::task::JoinHandle<()>>) {
     let mut handles = Vec::with_capacity(groups.len());
     let mut receivers = Vec::with_capacity(groups.len());
     for (i, g) in groups.iter().enumerate() {
         let (tx, rx) = mpsc::unbounded_channel();
-        let kv = KvManager::for_warmup(&g.warmup, prefix_caching);
+        let mut kv = KvManager::for_warmup(&g.warmup, prefix_caching);
+        if events.is_some() {
+            kv = kv.with_events();
+        }
         let stats = state.groups[i].clone();
         RouterState::set(&stats.kv_blocks_total, kv.capacity() as u64);
         RouterState::set(&stats.kv_blocks_free, kv.capacity() as u64);
@@ -77,6 +82,10 @@ pub fn start(
         .enumerate()
         .map(|(i, rx)| {
             let s = BatchingLoop::new(groups[i].client.clone(), config, rx, placer.clone(), i, state.clone(), *warmup);
+            let s = match &events {
+                Some(sink) => s.with_events(sink.clone()),
+                None => s,
+            };
             tokio::spawn(s.run())
         })
         .collect();

@@ -12,6 +12,7 @@ pub mod groups;
 pub mod http;
 pub mod infer;
 pub mod kv;
+pub mod kv_events;
 pub mod metrics;
 pub mod proto;
 #[cfg(feature = "python")]
@@ -69,8 +70,9 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
     // Alive from here, so that /health is right before the tasks first run.
     state.scheduler_alive.store(true, Ordering::SeqCst);
     let scheduler_config = scheduler_config(&config, &pool, &shard_info);
-    let (placer, scheduler_tasks) =
-        groups::start(&groups, scheduler_config, config.prefix_caching, config.routing, &warmup_request, &state);
+    let events = kv_events::from_config(config.kv_events_config.as_ref(), config.kv_events_layout).await?;
+    let routing = (config.prefix_caching, config.routing);
+    let (placer, scheduler_tasks) = groups::start(&groups, scheduler_config, routing, &warmup_request, &state, events);
     let clients: Vec<ShardedClient> = groups.iter().map(|g| g.client.clone()).collect();
     let infer = Infer::new(
         Validation::new(tokenizer.clone(), limits(&config, &pool, &shard_info)),

@@ -3,6 +3,7 @@
 //! second tier's counters of each reply.
 
 use super::run::BatchingLoop;
+use crate::kv::KvEvent;
 use crate::proto::pb;
 use crate::shared_state::{GroupStats, RouterState};
 
@@ -24,8 +25,17 @@ impl BatchingLoop {
         }
     }
 
-    /// This group's gauges, then the router's: their sums over the groups.
+    /// KV-cache events to the publisher (none without `--kv-events-config`).
+    pub(super) fn send_events(&self, events: Vec<KvEvent>) {
+        if let Some(sink) = &self.events {
+            sink.send(self.index, events);
+        }
+    }
+
+    /// This group's gauges, then the router's: their sums over the groups;
+    /// and the KV-cache events of what the last plan and reply changed.
     pub(super) fn publish(&self) {
+        self.send_events(self.state.kv.take_events());
         let g = &self.stats;
         let kv = self.state.kv.stats();
         RouterState::set(&g.queue_size, self.state.queue.len() as u64);

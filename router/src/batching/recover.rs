@@ -17,7 +17,7 @@ use tonic::Code;
 use super::run::{BatchingLoop, StepFuture};
 use crate::client::ShardedClient;
 use crate::error::RouterError;
-use crate::kv::KvManager;
+use crate::kv::{KvEvent, KvManager};
 use crate::proto::pb;
 use crate::queue::ResponseTx;
 use crate::routing::Arrival;
@@ -156,7 +156,12 @@ impl BatchingLoop {
             }
             match self.client.warmup(self.warmup).await {
                 Ok(w) => {
-                    let kv = KvManager::for_warmup(&w, self.state.kv.prefix_caching());
+                    let mut kv = KvManager::for_warmup(&w, self.state.kv.prefix_caching());
+                    if self.state.kv.events_enabled() {
+                        // Subscribers forget the old pool (its shards lost it with their memory).
+                        self.send_events(vec![KvEvent::Cleared]);
+                        kv = kv.with_events();
+                    }
                     self.placer.set_kv(self.index, kv.clone());
                     self.state = State::new(self.state.config, kv);
                     self.publish();

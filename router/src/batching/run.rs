@@ -17,6 +17,7 @@ use tokio::sync::mpsc;
 
 use crate::client::ShardedClient;
 use crate::error::RouterError;
+use crate::kv_events::EventSink;
 use crate::proto::pb;
 use crate::queue::ResponseTx;
 use crate::routing::{Arrival, Placer};
@@ -41,6 +42,8 @@ pub struct BatchingLoop {
     pub(super) warmup: pb::WarmupRequest,
     /// The last step's number (StepRequest.step_id).
     pub(super) step_id: u64,
+    /// Where this group's KV-cache events go (`--kv-events-config`).
+    pub(super) events: Option<EventSink>,
 }
 
 pub(super) type StepFuture = Pin<Box<dyn Future<Output = Result<pb::StepResponse, tonic::Status>> + Send>>;
@@ -89,7 +92,14 @@ impl BatchingLoop {
             stats,
             warmup,
             step_id: 0,
+            events: None,
         }
+    }
+
+    /// Publishes the group's KV-cache events through `sink` (its KV manager records them).
+    pub fn with_events(mut self, sink: EventSink) -> Self {
+        self.events = Some(sink);
+        self
     }
 
     pub async fn run(mut self) {

@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::block_allocator::BlockAllocator;
 use super::blocks::KvBlocks;
+use super::events::{EventLog, KvEvent, Medium};
 use super::pool::Pool;
 use super::radix::RadixCache;
 use super::tier_index::Key;
@@ -44,7 +45,13 @@ impl KvManager {
         let alloc = BlockAllocator::new(num_blocks, block_size);
         let capacity = alloc.capacity();
         Self {
-            inner: Arc::new(Mutex::new(Pool { alloc, radix: RadixCache::new(block_size), prefix_caching, tier: None })),
+            inner: Arc::new(Mutex::new(Pool {
+                alloc,
+                radix: RadixCache::new(block_size),
+                prefix_caching,
+                tier: None,
+                events: EventLog::default(),
+            })),
             block_size,
             capacity,
         }
@@ -55,6 +62,21 @@ impl KvManager {
     pub fn with_tier(self, config: TierConfig) -> Self {
         self.lock().tier = Some(SecondTier::new(config, self.block_size));
         self
+    }
+
+    /// Records KV-cache events from now on (drained with `take_events`).
+    pub fn with_events(self) -> Self {
+        self.lock().events = EventLog::enabled();
+        self
+    }
+
+    pub fn events_enabled(&self) -> bool {
+        self.lock().events.is_on()
+    }
+
+    /// The events recorded since the last call, oldest first.
+    pub fn take_events(&self) -> Vec<KvEvent> {
+        self.lock().events.take()
     }
 
     /// The manager for a shard group's pool as its Warmup reply describes it,
@@ -151,23 +173,35 @@ impl KvManager {
     /// so later requests can reuse them. A table that gave blocks back behind
     /// a sliding window has no complete prefix left to index: nothing is.
     pub fn commit(&self, blocks: &KvBlocks, tokens: &[u32]) {
-        let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut guard = self.lock();
+        let g = &mut *guard;
         if !g.prefix_caching || blocks.dropped > 0 {
             return;
         }
-        let full = tokens.len() / self.block_size as usize;
-        let n = full.min(blocks.ids.len());
-        let added = g.radix.insert(&tokens[..n * self.block_size as usize], &blocks.ids[..n]);
+        let bs = self.block_size as usize;
+        let n = (tokens.len() / bs).min(blocks.ids.len());
+        let added = g.radix.insert(&tokens[..n * bs], &blocks.ids[..n]);
+        let Some(first) = blocks.ids[..n].iter().position(|b| added.first() == Some(b)) else { return };
         for &id in &added {
             // The tree's own reference keeps the block after its sequences end.
             g.alloc.retain(id);
         }
+        // The added blocks are consecutive in the table: one chain.
+        let named: Vec<(u64, Option<u64>)> = added.iter().map(|&b| g.radix.hash_of(b).expect("just indexed")).collect();
+        let stored = first..first + added.len();
+        if g.events.is_on() {
+            g.events.push(KvEvent::Stored {
+                hashes: named.iter().map(|h| h.0).collect(),
+                parent: named[0].1,
+                tokens: tokens[stored.start * bs..stored.end * bs].to_vec(),
+                block_size: self.block_size,
+                medium: Medium::Device,
+            });
+        }
         if let Some(tier) = g.tier.as_mut() {
             // Write-through: what the tree indexes is saved once, so an
             // eviction drops nothing the tier lacks and a restart finds it.
-            if let Some(first) = blocks.ids[..n].iter().position(|b| added.first() == Some(b)) {
-                tier.commit(&tokens[..n * self.block_size as usize], &blocks.ids[..n], first..first + added.len());
-            }
+            tier.commit(&tokens[..n * bs], &blocks.ids[..n], stored, &named, &mut g.events);
         }
     }
 
@@ -195,8 +229,10 @@ impl KvManager {
 
     /// The shard no longer holds these keys (failed load, lost file).
     pub fn tier_forget<'a>(&self, keys: impl IntoIterator<Item = &'a String>) {
-        if let Some(t) = self.lock().tier.as_mut() {
-            t.forget(keys);
+        let mut guard = self.lock();
+        let g = &mut *guard;
+        if let Some(t) = g.tier.as_mut() {
+            t.forget(keys, &mut g.events);
         }
     }
 

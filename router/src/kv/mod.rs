@@ -2,7 +2,9 @@
 //! write where they are told.
 
 pub mod block_allocator;
+pub mod block_hash;
 pub mod blocks;
+pub mod events;
 pub mod lifetime;
 pub mod manager;
 mod pool;
@@ -10,12 +12,15 @@ pub mod radix;
 #[cfg(test)]
 mod tests;
 #[cfg(test)]
+mod tests_events;
+#[cfg(test)]
 mod tests_tier;
 pub mod tier_index;
 pub mod tier_ops;
 
 pub use block_allocator::BlockAllocator;
 pub use blocks::KvBlocks;
+pub use events::{KvEvent, Medium};
 pub use lifetime::{lifetime_blocks, too_large};
 pub use manager::{KvManager, KvStats};
 pub use radix::RadixCache;

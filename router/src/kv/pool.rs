@@ -1,9 +1,11 @@
 //! The KV pool's shared state behind the manager's one lock: the
 //! refcounted block allocator, the radix prefix cache and the second tier's
-//! plan. Block tables (blocks.rs) and the manager (manager.rs) both take
-//! and give back blocks through it.
+//! plan, and the KV-cache events their changes make. Block tables
+//! (blocks.rs) and the manager (manager.rs) both take and give back blocks
+//! through it.
 
 use super::block_allocator::BlockAllocator;
+use super::events::{EventLog, Medium};
 use super::radix::RadixCache;
 use super::tier_ops::SecondTier;
 
@@ -14,6 +16,7 @@ pub(super) struct Pool {
     pub(super) radix: RadixCache,
     pub(super) prefix_caching: bool,
     pub(super) tier: Option<SecondTier>,
+    pub(super) events: EventLog,
 }
 
 impl Pool {
@@ -39,10 +42,12 @@ impl Pool {
         }
         // Evict least recently used cached prefixes only as far as needed.
         while self.alloc.free_blocks() < n {
-            let block = self.radix.evict_one().expect("reclaimable blocks are evictable");
+            let gone = self.radix.evict_one().expect("reclaimable blocks are evictable");
+            self.events.removed(gone.hash, Medium::Device);
+            let block = gone.block;
             if let Some(t) = self.tier.as_mut() {
                 // Copied out by the shard before this step's forward reuses it.
-                t.evicted(block);
+                t.evicted(&gone, &mut self.events);
             }
             let left = self.alloc.release(block);
             debug_assert_eq!(left, 0, "an evicted block had holders");

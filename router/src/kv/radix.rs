@@ -1,15 +1,21 @@
 //! Radix tree over block-aligned token prefixes: each node is one full KV
 //! block, keyed by the block's tokens under its parent. It only indexes
 //! blocks; reference counts live in the allocator, and the manager tells the
-//! tree when a block becomes unused (evictable) or used again.
+//! tree when a block becomes unused (evictable) or used again. Each node also
+//! keeps its block's content hash (block_hash.rs), chained from its parent's,
+//! which is how KV-cache events name it.
 
 use std::collections::{BTreeSet, HashMap};
+
+use super::block_hash::{block_hash, root_hash, HASH_SEED};
 
 const ROOT: usize = 0;
 
 #[derive(Debug)]
 struct Node {
     block: u32,
+    /// Content hash of the whole prefix ending with this block.
+    hash: u64,
     parent: usize,
     key: Box<[u32]>,
     children: HashMap<Box<[u32]>, usize>,
@@ -33,10 +39,21 @@ pub struct RadixCache {
     tick: u64,
 }
 
+/// A block the tree gave up (`evict_one`), with what names it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Evicted {
+    pub block: u32,
+    pub hash: u64,
+    /// Hash of the block before it (None: it was a prompt's first block).
+    pub parent: Option<u64>,
+    pub tokens: Box<[u32]>,
+}
+
 impl RadixCache {
     pub fn new(block_size: u32) -> Self {
         let root = Node {
             block: u32::MAX,
+            hash: root_hash(HASH_SEED),
             parent: ROOT,
             key: Box::new([]),
             children: HashMap::new(),
@@ -127,6 +144,7 @@ impl RadixCache {
             }
             let id = self.new_node(Node {
                 block,
+                hash: block_hash(self.node(at).hash, chunk),
                 parent: at,
                 key: chunk.into(),
                 children: HashMap::new(),
@@ -178,9 +196,16 @@ impl RadixCache {
         }
     }
 
-    /// Removes the least recently used unused leaf; returns its block, whose
-    /// tree reference the caller must release.
-    pub fn evict_one(&mut self) -> Option<u32> {
+    /// Content hash of the prefix ending with `block`, and of the one before
+    /// it (None at a prompt's first block).
+    pub fn hash_of(&self, block: u32) -> Option<(u64, Option<u64>)> {
+        let n = self.node(*self.by_block.get(&block)?);
+        Some((n.hash, (n.parent != ROOT).then(|| self.node(n.parent).hash)))
+    }
+
+    /// Removes the least recently used unused leaf; returns it (its block's
+    /// tree reference is the caller's to release).
+    pub fn evict_one(&mut self) -> Option<Evicted> {
         let (_, id) = self.lru.pop_first()?;
         let n = self.nodes[id].take().expect("live node");
         self.vacant.push(id);
@@ -189,10 +214,11 @@ impl RadixCache {
         let parent = n.parent;
         self.node_mut(parent).children.remove(&n.key);
         let p = self.node(parent);
+        let parent_hash = (parent != ROOT).then_some(p.hash);
         if parent != ROOT && p.children.is_empty() && p.unused {
             self.lru.insert((p.last_access, parent));
         }
-        Some(n.block)
+        Some(Evicted { block: n.block, hash: n.hash, parent: parent_hash, tokens: n.key })
     }
 
     /// Token ids of the prefix that ends with `block` (for checks and tests).

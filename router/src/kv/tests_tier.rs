@@ -48,7 +48,13 @@ struct Store {
 
 fn tier(capacity: u32) -> TierConfig {
     let costs = TierCosts { block_bytes: 64, load_bytes_per_s: 1e9, prefill_tokens_per_s: 1e3 };
-    TierConfig { namespace: "test".into(), capacity_blocks: capacity, keys: Vec::new(), costs }
+    TierConfig {
+        medium: super::Medium::Disk,
+        namespace: "test".into(),
+        capacity_blocks: capacity,
+        keys: Vec::new(),
+        costs,
+    }
 }
 
 /// Saves and deletes the manager queued, run as the shard runs them.

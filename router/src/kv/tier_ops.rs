@@ -1,12 +1,15 @@
 //! The KV manager's plan of second-tier ops: which pool blocks to save under
 //! which key, which keys to delete, which prompt blocks to load instead of
 //! computing (where the measured costs say loading is cheaper), and the
-//! counts behind the tier metrics. The shard executes the ops
+//! counts behind the tier metrics, and the KV-cache events of what the
+//! tier gains and loses. The shard executes the ops
 //! (server/pagemill/shard/kv_tier.py); nothing here does I/O.
 
 use std::collections::HashMap;
 use std::ops::Range;
 
+use super::events::{EventLog, KvEvent, Medium};
+use super::radix::Evicted;
 use super::tier_index::{chain_keys, Key, TierIndex};
 use crate::proto::pb;
 
@@ -45,6 +48,8 @@ impl TierCosts {
 /// What the shard reported of its tier at warmup.
 #[derive(Debug, Clone)]
 pub struct TierConfig {
+    /// Host memory or disk (the shard's `kind`).
+    pub medium: Medium,
     pub namespace: String,
     pub capacity_blocks: u32,
     /// Already stored (a restart), least recently used first.
@@ -55,6 +60,7 @@ pub struct TierConfig {
 impl TierConfig {
     pub fn from_warmup(t: &pb::KvTier) -> Self {
         Self {
+            medium: Medium::of_tier(&t.kind),
             namespace: t.namespace.clone(),
             capacity_blocks: t.capacity_blocks,
             keys: t.keys.clone(),
@@ -88,14 +94,26 @@ pub struct TierStats {
     pub block_bytes: u64,
 }
 
+/// A block as KV-cache events name it: its content hash, its parent's, its tokens.
+#[derive(Debug, Clone, Copy)]
+pub struct Named<'a> {
+    pub hash: u64,
+    pub parent: Option<u64>,
+    pub tokens: &'a [u32],
+}
+
 #[derive(Debug)]
 pub struct SecondTier {
+    medium: Medium,
     namespace: String,
     block_size: u32,
     index: TierIndex,
     costs: TierCosts,
     /// Key of every pool block the radix tree indexes, for saving on eviction.
     key_of: HashMap<u32, Key>,
+    /// Content hash of each key this process saved (keys found at startup
+    /// have none: no event names them).
+    hash_of: HashMap<Key, u64>,
     ops: TierOps,
     stats: TierStats,
 }
@@ -105,11 +123,13 @@ impl SecondTier {
         let (index, over) = TierIndex::new(config.capacity_blocks as usize, config.keys);
         let stats = TierStats { block_bytes: config.costs.block_bytes, ..Default::default() };
         Self {
+            medium: config.medium,
             namespace: config.namespace,
             block_size,
             index,
             costs: config.costs,
             key_of: HashMap::new(),
+            hash_of: HashMap::new(),
             ops: TierOps { saves: Vec::new(), deletes: over },
             stats,
         }
@@ -120,18 +140,32 @@ impl SecondTier {
     }
 
     /// `tokens` (full blocks) live in `blocks`; the radix tree just indexed
-    /// `added` of them. Those the tier lacks are saved.
-    pub fn commit(&mut self, tokens: &[u32], blocks: &[u32], added: Range<usize>) {
+    /// `added` of them, whose content hashes (and parents') are `named`.
+    /// Those the tier lacks are saved.
+    pub fn commit(
+        &mut self,
+        tokens: &[u32],
+        blocks: &[u32],
+        added: Range<usize>,
+        named: &[(u64, Option<u64>)],
+        events: &mut EventLog,
+    ) {
         let keys = self.keys(tokens, added.end);
-        for i in added {
+        let bs = self.block_size as usize;
+        for (i, &(hash, parent)) in added.zip(named) {
             let key = keys[i].clone();
             self.key_of.insert(blocks[i], key.clone());
-            self.save(blocks[i], key);
+            let block_tokens = &tokens[i * bs..(i + 1) * bs];
+            self.save(blocks[i], key, Named { hash, parent, tokens: block_tokens }, events);
         }
     }
 
-    fn save(&mut self, block: u32, key: Key) {
+    fn save(&mut self, block: u32, key: Key, named: Named, events: &mut EventLog) {
         if self.index.touch(&key) {
+            // Held already; one found at startup is named the first time its tokens are seen.
+            if !self.hash_of.contains_key(&key) {
+                self.announce(key, named, events);
+            }
             return;
         }
         let over = self.index.insert(key.clone());
@@ -139,15 +173,38 @@ impl SecondTier {
         // the last word on a key must win, so drop what it contradicts.
         self.ops.deletes.retain(|k| *k != key);
         self.ops.saves.retain(|s| !over.contains(&s.key));
-        self.ops.saves.push(pb::KvSave { block_id: block, key });
-        self.ops.deletes.extend(over);
+        self.ops.saves.push(pb::KvSave { block_id: block, key: key.clone() });
         self.stats.saved_blocks += 1;
+        self.announce(key, named, events);
+        self.dropped(&over, events);
+        self.ops.deletes.extend(over);
     }
 
-    /// The radix tree dropped `block`: saved unless the tier still has it.
-    pub fn evicted(&mut self, block: u32) {
-        if let Some(key) = self.key_of.remove(&block) {
-            self.save(block, key);
+    fn announce(&mut self, key: Key, named: Named, events: &mut EventLog) {
+        self.hash_of.insert(key, named.hash);
+        events.push(KvEvent::Stored {
+            hashes: vec![named.hash],
+            parent: named.parent,
+            tokens: named.tokens.to_vec(),
+            block_size: self.block_size,
+            medium: self.medium,
+        });
+    }
+
+    /// Keys the tier no longer holds: removal events for those this process named.
+    fn dropped(&mut self, keys: &[Key], events: &mut EventLog) {
+        for k in keys {
+            if let Some(h) = self.hash_of.remove(k) {
+                events.removed(h, self.medium);
+            }
+        }
+    }
+
+    /// The radix tree dropped a block: saved unless the tier still has it.
+    pub fn evicted(&mut self, gone: &Evicted, events: &mut EventLog) {
+        if let Some(key) = self.key_of.remove(&gone.block) {
+            let named = Named { hash: gone.hash, parent: gone.parent, tokens: &gone.tokens };
+            self.save(gone.block, key, named, events);
         }
     }
 
@@ -175,9 +232,12 @@ impl SecondTier {
         std::mem::take(&mut self.ops)
     }
 
-    pub fn forget<'a>(&mut self, keys: impl IntoIterator<Item = &'a String>) {
+    pub fn forget<'a>(&mut self, keys: impl IntoIterator<Item = &'a String>, events: &mut EventLog) {
         for k in keys {
-            self.stats.forgotten += self.index.remove(k) as u64;
+            if self.index.remove(k) {
+                self.stats.forgotten += 1;
+                self.dropped(std::slice::from_ref(k), events);
+            }
         }
     }
 

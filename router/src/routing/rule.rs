@@ -6,8 +6,10 @@
 //! score(g) = cached(g) - (queued(g) + running(g)) / LOAD_TOKENS_PER_CACHED_TOKEN - shortfall(g)
 //! ```
 //!
-//! where `cached` is the longest prefix of the prompt g's radix tree holds
-//! (tokens a hit saves computing), `queued` the prompt tokens g still has to
+//! where `cached` is the longest prefix of the prompt g's radix tree holds,
+//! or that a prompt placed on g and not yet cached there shares with it,
+//! whichever is longer (tokens a hit saves computing: a placed prefix is
+//! computed once there, and a request sharing it waits for it), `queued` the prompt tokens g still has to
 //! compute (its queue plus requests placed but not yet taken), `running` the
 //! tokens of g's running sequences (its decode work and KV), and `shortfall`
 //! the tokens of the request that do not fit g's free (or evictable) blocks
@@ -50,6 +52,9 @@ pub struct GroupLoad {
     pub serving: bool,
     /// Tokens of the prompt its radix tree holds (block-aligned).
     pub cached_tokens: u64,
+    /// Tokens of the prompt's prefix that prompts placed on it share and
+    /// its cache does not hold yet (routing/placed.rs).
+    pub placed_tokens: u64,
     pub queued_tokens: u64,
     pub running_tokens: u64,
     /// Free and evictable KV slots, in tokens.
@@ -76,7 +81,7 @@ pub const LOAD_TOKENS_PER_CACHED_TOKEN: i64 = 4;
 pub fn prefix_score(g: &GroupLoad, need_tokens: u64) -> i64 {
     let load = g.load() as i64;
     let shortfall = need_tokens.saturating_sub(g.free_tokens) as i64;
-    g.cached_tokens as i64 - load / LOAD_TOKENS_PER_CACHED_TOKEN - shortfall
+    g.cached_tokens.max(g.placed_tokens) as i64 - load / LOAD_TOKENS_PER_CACHED_TOKEN - shortfall
 }
 
 /// The group to place a request of `need_tokens` on; None when no group serves.
@@ -155,6 +160,27 @@ mod tests {
         g[0].queued_tokens = 60;
         assert_eq!(choose(Routing::Prefix, &g, 100, 0), Some(1));
         assert_eq!(prefix_score(&g[0], 100), 64 - 260 / 4);
+    }
+
+    #[test]
+    fn a_prefix_placed_but_not_cached_draws_the_next_request_sharing_it() {
+        // Request 1 (a new 256-token prefix) went to group 0: its prompt is
+        // queued there, nothing is cached anywhere yet.
+        let mut g = vec![idle(10_000); 2];
+        g[0].queued_tokens = 300;
+        for cursor in 0..4 {
+            assert_eq!(choose(Routing::Prefix, &g, 300, cursor), Some(1), "without the placed prefix: spread");
+        }
+        g[0].placed_tokens = 256;
+        for cursor in 0..4 {
+            assert_eq!(choose(Routing::Prefix, &g, 300, cursor), Some(0));
+        }
+        // Counted once: a group that also caches part of it gains nothing more.
+        g[0].cached_tokens = 128;
+        assert_eq!(prefix_score(&g[0], 300), 256 - 300 / 4);
+        // Load still outweighs it past the ratio.
+        g[0].running_tokens = 1000;
+        assert_eq!(choose(Routing::Prefix, &g, 300, 0), Some(1));
     }
 
     #[test]

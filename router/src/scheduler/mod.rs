@@ -10,6 +10,7 @@ pub mod admission;
 mod ahead;
 #[cfg(test)]
 mod fake_shard;
+mod in_flight;
 pub mod logprob_cache;
 mod logprob_gather;
 mod order;
@@ -26,6 +27,8 @@ mod tenant_cap;
 mod tests;
 #[cfg(test)]
 mod tests_ahead;
+#[cfg(test)]
+mod tests_in_flight;
 #[cfg(test)]
 mod tests_priority;
 #[cfg(test)]

@@ -2,6 +2,7 @@
 //! admission units (a request, or all forks of an `n`/`best_of` request).
 
 use std::collections::VecDeque;
+use std::ops::Range;
 use std::time::Instant;
 
 use super::sequence::Sequence;
@@ -39,7 +40,7 @@ pub fn order_queue(st: &mut State, now: Instant) {
 
 /// Groups the queue into admission units: a request, or all forks of one
 /// `n`/`best_of` request (they arrive together and go together).
-pub fn units(queue: &VecDeque<Sequence>) -> Vec<std::ops::Range<usize>> {
+pub fn units(queue: &VecDeque<Sequence>) -> Vec<Range<usize>> {
     let mut units = Vec::new();
     let mut start = 0;
     while start < queue.len() {
@@ -52,4 +53,25 @@ pub fn units(queue: &VecDeque<Sequence>) -> Vec<std::ops::Range<usize>> {
         start = end;
     }
     units
+}
+
+/// Reorders the queue so that the units marked `held` come after the others,
+/// each kind in its order; returns the units as they now lie and how many
+/// unheld ones lead.
+pub fn hold_back(queue: &mut VecDeque<Sequence>, units: &[Range<usize>], held: &[bool]) -> (Vec<Range<usize>>, usize) {
+    let (leading, behind): (Vec<usize>, Vec<usize>) = (0..units.len()).partition(|&k| !held[k]);
+    if behind.iter().enumerate().all(|(i, &k)| k == leading.len() + i) {
+        // Already in that order.
+        return (units.to_vec(), leading.len());
+    }
+    let mut drained: Vec<Option<Sequence>> = queue.drain(..).map(Some).collect();
+    let mut new_units = Vec::with_capacity(units.len());
+    for &k in leading.iter().chain(&behind) {
+        let start = queue.len();
+        for i in units[k].clone() {
+            queue.push_back(drained[i].take().expect("each sequence moves once"));
+        }
+        new_units.push(start..queue.len());
+    }
+    (new_units, leading.len())
 }

@@ -8,6 +8,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
+use super::in_flight::{common_blocks, hold_back_waiting, reach, waits};
 use super::logprob_gather::{cacheable_blocks, fill_from_cache};
 use super::order::{order_queue, units};
 use super::sequence::Sequence;
@@ -42,15 +43,21 @@ pub(super) fn schedule_prompts(st: &mut State, plan: &mut StepPlan, step_tokens:
 }
 
 fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alone_ok: bool, now: Instant) {
-    let (take, partial) = admissions(st, left, alone_ok, now);
+    let (take, partial) = admissions(st, plan, left, alone_ok, now);
     let bs = st.kv.block_size();
-    let first_new = st.running.len();
     let mut taken: VecDeque<Sequence> = st.queue.drain(..take).collect();
+    // Those that now wait for a prompt admitted before them (one loading its
+    // prefix from the second tier in this step) go back to the queue.
+    let mut waiting = Vec::new();
     while let Some(mut s) = taken.pop_front() {
+        if s.group.is_none() && waits(st, plan, &s) {
+            waiting.push(s);
+            continue;
+        }
         let len = s.len();
         fill_from_cache(&mut s, &mut st.logprob_cache);
         let cap = cacheable_blocks(&s, &st.logprob_cache, bs);
-        let mut blocks = prompt_blocks(st, plan, &s, first_new, cap);
+        let mut blocks = prompt_blocks(st, plan, &s, cap);
         let cache_len = blocks.len() * bs;
         if !blocks.ensure_capacity(len) {
             // Admission estimates are conservative; should one still fall
@@ -79,17 +86,27 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
         }
         st.running.push(s);
     }
+    for s in waiting.into_iter().rev() {
+        st.queue.push_front(s);
+    }
 }
 
 /// How many queued sequences this step admits (whole units), and the prompt
 /// tokens of one more admitted in part (a chunk), if any.
-fn admissions(st: &mut State, left: Option<u32>, alone_ok: bool, now: Instant) -> (usize, Option<u32>) {
+fn admissions(
+    st: &mut State,
+    plan: &StepPlan,
+    left: Option<u32>,
+    alone_ok: bool,
+    now: Instant,
+) -> (usize, Option<u32>) {
     order_queue(st, now);
     let mut units = units(&st.queue);
     let mut eligible = units.len();
     if let Some(cap) = st.config.max_running_per_tenant {
         (units, eligible) = hold_back_capped(&mut st.queue, &st.running, &units, cap);
     }
+    (units, eligible) = hold_back_waiting(st, plan, &units, eligible);
     let candidates: Vec<Candidate> = units[..eligible].iter().map(|u| candidate(st, u)).collect();
     let running = Running {
         sequences: st.running.len() as u32,
@@ -106,22 +123,23 @@ fn admissions(st: &mut State, left: Option<u32>, alone_ok: bool, now: Instant) -
 }
 
 /// The block table an admitted prompt starts with: its cached prefix, or
-/// the longer prefix of a prompt admitted in this same step (forks of
-/// `n`/`best_of`, a common system prompt arriving at once), as far as that
-/// one computes it in this step: the shard writes those blocks before
-/// anyone reads them. At most `cap` blocks (`cacheable_blocks`).
-fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, first_new: usize, cap: u32) -> KvBlocks {
+/// the longer prefix of a prompt still being computed (a common system
+/// prompt, forks of `n`/`best_of` admitted together), as far as that one
+/// has computed it or computes it in this step: the shard writes those
+/// blocks before anyone reads them. At most `cap` blocks (`cacheable_blocks`).
+fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, cap: u32) -> KvBlocks {
     let bs = st.kv.block_size();
     let mut blocks = st.kv.acquire_prefix(capped(&s.tokens, cap, bs));
     let limit = fork_shared_blocks(s.len(), bs).min(cap);
     let caching = st.kv.prefix_caching();
-    let planned_end = |id: u64| plan.planned.iter().find(|p| p.id == id).map_or(0, |p| p.num_computed + p.num_tokens);
-    let best = st.running[first_new..]
+    let best = st
+        .running
         .iter()
+        .filter(|a| !a.prefilled)
         // Without prefix caching only forks of one request share.
         .filter(|a| caching || (s.group.is_some() && a.group == s.group))
         .map(|a| {
-            let m = common_blocks(&a.tokens, &s.tokens, bs).min(limit).min(planned_end(a.id) / bs);
+            let m = common_blocks(&a.tokens, &s.tokens, bs).min(limit).min(reach(plan, a) / bs);
             (m, a)
         })
         .max_by_key(|(m, _)| *m);
@@ -202,10 +220,4 @@ fn fork_shared_blocks(len: u32, block_size: u32) -> u32 {
 fn capped(tokens: &[u32], cap: u32, block_size: u32) -> &[u32] {
     let n = (cap as usize).saturating_mul(block_size as usize).saturating_add(1);
     &tokens[..n.min(tokens.len())]
-}
-
-/// Number of leading full blocks two token sequences have in common.
-fn common_blocks(a: &[u32], b: &[u32], block_size: u32) -> u32 {
-    let same = a.iter().zip(b).take_while(|(x, y)| x == y).count() as u32;
-    same / block_size
 }

@@ -7,6 +7,7 @@ use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::ops::Range;
 
+use super::order::hold_back;
 use super::sequence::Sequence;
 
 /// Reorders the queue units (given in admission order) so that those whose
@@ -36,18 +37,6 @@ pub fn hold_back_capped(
             ok[k] = false;
         }
     }
-    let (eligible, held): (Vec<usize>, Vec<usize>) = (0..units.len()).partition(|&k| ok[k]);
-    if held.is_empty() {
-        return (units.to_vec(), units.len());
-    }
-    let mut drained: Vec<Option<Sequence>> = queue.drain(..).map(Some).collect();
-    let mut new_units = Vec::with_capacity(units.len());
-    for &k in eligible.iter().chain(&held) {
-        let start = queue.len();
-        for i in units[k].clone() {
-            queue.push_back(drained[i].take().expect("each sequence moves once"));
-        }
-        new_units.push(start..queue.len());
-    }
-    (new_units, eligible.len())
+    let held: Vec<bool> = ok.iter().map(|o| !o).collect();
+    hold_back(queue, units, &held)
 }

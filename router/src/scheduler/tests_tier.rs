@@ -8,14 +8,20 @@ use super::state::State;
 use super::tests::{assert_no_leak, config, drive, entry, expected, request, BS};
 use crate::kv::{KvManager, TierConfig, TierCosts};
 
-fn tiered(num_blocks: u32) -> (State, FakeShard) {
+pub(super) fn tiered(num_blocks: u32) -> (State, FakeShard) {
     let costs = TierCosts { block_bytes: 64, load_bytes_per_s: 1e9, prefill_tokens_per_s: 1e3 };
-    let tier = TierConfig { namespace: "t".into(), capacity_blocks: 1000, keys: Vec::new(), costs };
+    let tier = TierConfig {
+        medium: crate::kv::Medium::Disk,
+        namespace: "t".into(),
+        capacity_blocks: 1000,
+        keys: Vec::new(),
+        costs,
+    };
     let kv = KvManager::new(num_blocks, BS, true).with_tier(tier);
     (State::new(config(None, None, 0), kv), FakeShard::new(BS, num_blocks))
 }
 
-fn shared(len: u32) -> Vec<u32> {
+pub(super) fn shared(len: u32) -> Vec<u32> {
     (0..len).map(|i| 3 + (i * 11) % 90).collect()
 }
 

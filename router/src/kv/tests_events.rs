@@ -1,0 +1,140 @@
+//! KV-cache events against what the cache really does, under random
+//! interleavings of admissions, commits, finishes and eviction pressure: a
+//! block is announced once while held, its hash recomputable from its
+//! parent and its tokens; it is removed only while held; in the pool (a
+//! tree) its parent is announced before it and removed after it; once
+//! everything is evicted every announced pool block has been removed; and
+//! the second tier's announced blocks are exactly the keys it holds.
+
+use std::collections::HashMap;
+
+use proptest::prelude::*;
+
+use super::block_hash::{block_hash, root_hash, HASH_SEED};
+use super::tests::{prompt, BS};
+use super::{KvBlocks, KvEvent, KvManager, Medium, TierConfig, TierCosts};
+
+#[derive(Debug, Clone)]
+enum Op {
+    Admit { pat: u8, len: u8 },
+    Commit { seq: usize },
+    Finish { seq: usize },
+    Pressure { n: u8 },
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        3 => (0u8..3, 1u8..30).prop_map(|(pat, len)| Op::Admit { pat, len }),
+        3 => any::<usize>().prop_map(|seq| Op::Commit { seq }),
+        2 => any::<usize>().prop_map(|seq| Op::Finish { seq }),
+        1 => (1u8..12).prop_map(|n| Op::Pressure { n }),
+    ]
+}
+
+/// What subscribers know, per medium: each held hash and its parent.
+#[derive(Default)]
+struct Subscriber {
+    held: HashMap<(Medium, u64), Option<u64>>,
+}
+
+impl Subscriber {
+    fn apply(&mut self, e: KvEvent) -> Result<(), TestCaseError> {
+        match e {
+            KvEvent::Stored { hashes, parent, tokens, block_size, medium } => {
+                prop_assert_eq!(tokens.len(), hashes.len() * block_size as usize);
+                let mut prev = parent;
+                for (h, chunk) in hashes.iter().zip(tokens.chunks(block_size as usize)) {
+                    // The pool is a tree: a block is held with its whole prefix. (The
+                    // second tier keeps single keys, least recently used first.)
+                    if let (Some(p), Medium::Device) = (prev, medium) {
+                        prop_assert!(self.held.contains_key(&(medium, p)), "parent {} of {} not held", p, h);
+                    }
+                    prop_assert_eq!(
+                        *h,
+                        block_hash(prev.unwrap_or(root_hash(HASH_SEED)), chunk),
+                        "hash chains by parent"
+                    );
+                    prop_assert!(self.held.insert((medium, *h), prev).is_none(), "{} stored twice", h);
+                    prev = Some(*h);
+                }
+            }
+            KvEvent::Removed { hashes, medium } => {
+                for h in hashes {
+                    prop_assert!(self.held.remove(&(medium, h)).is_some(), "{} removed but not held", h);
+                    let orphan = self.held.iter().any(|(k, p)| k.0 == Medium::Device && *p == Some(h));
+                    prop_assert!(medium != Medium::Device || !orphan, "{} removed before its children", h);
+                }
+            }
+            KvEvent::Cleared => self.held.clear(),
+        }
+        Ok(())
+    }
+
+    fn count(&self, medium: Medium) -> usize {
+        self.held.keys().filter(|k| k.0 == medium).count()
+    }
+}
+
+fn run(kv: &KvManager, ops: Vec<Op>, pool: u32) -> Result<Subscriber, TestCaseError> {
+    let mut sub = Subscriber::default();
+    let mut seqs: Vec<(Vec<u32>, KvBlocks)> = Vec::new();
+    for op in ops {
+        match op {
+            Op::Admit { pat, len } => {
+                let tokens = prompt(pat, len);
+                let mut blocks = kv.acquire_prefix(&tokens);
+                if blocks.ensure_capacity(tokens.len() as u32) {
+                    seqs.push((tokens, blocks));
+                }
+            }
+            Op::Commit { seq } if !seqs.is_empty() => {
+                let (t, b) = &seqs[seq % seqs.len()];
+                kv.commit(b, t);
+            }
+            Op::Finish { seq } if !seqs.is_empty() => drop(seqs.swap_remove(seq % seqs.len())),
+            Op::Pressure { n } => drop(kv.allocate(n as u32)),
+            _ => {}
+        }
+        for e in kv.take_events() {
+            sub.apply(e)?;
+        }
+        prop_assert_eq!(sub.count(Medium::Device), kv.stats().cached as usize, "announced = cached");
+    }
+    drop(seqs);
+    // Everything evicted: every announced block of the pool was removed.
+    drop(kv.allocate(pool - 1));
+    for e in kv.take_events() {
+        sub.apply(e)?;
+    }
+    prop_assert_eq!(sub.count(Medium::Device), 0);
+    Ok(sub)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(128))]
+    #[test]
+    fn events_mirror_the_pool(ops in prop::collection::vec(op(), 1..100), pool in 8u32..40) {
+        run(&KvManager::new(pool, BS, true).with_events(), ops, pool)?;
+    }
+
+    #[test]
+    fn events_mirror_the_second_tier_too(ops in prop::collection::vec(op(), 1..100), pool in 8u32..40, cap in 1u32..12) {
+        let costs = TierCosts { block_bytes: 64, load_bytes_per_s: 1e9, prefill_tokens_per_s: 1e3 };
+        let tier = TierConfig { medium: Medium::Host, namespace: "t".into(), capacity_blocks: cap, keys: Vec::new(), costs };
+        let kv = KvManager::new(pool, BS, true).with_tier(tier).with_events();
+        let sub = run(&kv, ops, pool)?;
+        prop_assert_eq!(sub.count(Medium::Host) as u64, kv.tier_stats().unwrap().stored, "announced = held by the tier");
+    }
+}
+
+#[test]
+fn nothing_is_recorded_unless_asked() {
+    let kv = KvManager::new(16, BS, true);
+    let tokens = prompt(1, 20);
+    let b = kv.acquire_prefix(&tokens);
+    let mut b = b;
+    assert!(b.ensure_capacity(20));
+    kv.commit(&b, &tokens);
+    assert!(kv.take_events().is_empty());
+    assert_eq!(kv.stats().cached, 5);
+}
