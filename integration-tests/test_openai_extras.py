@@ -151,8 +151,8 @@ def test_prompt_logprobs_match_tgi_decoder_input_details(client, srv):
         assert list(entry) == [str(r["id"])]
         assert entry[str(r["id"])]["logprob"] == pytest.approx(r["logprob"], abs=1e-4)
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model="x", prompt="a", max_tokens=1, extra_body={"prompt_logprobs": 2})
-    assert e.value.param == "prompt_logprobs"
+        client.completions.create(model="x", prompt="a", max_tokens=1, extra_body={"prompt_logprobs": 6})
+    assert e.value.param == "prompt_logprobs"  # more alternatives than --max-top-n-tokens (5)
 
 
 # --- roles, unknown fields, error shape ----------------------------------------------------------

@@ -182,3 +182,70 @@ def test_tool_choice_none_and_bad_choices(client):
     assert e.value.param == "tool_choice.function.name"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m", messages=ASK, max_tokens=4, tool_choice="required")
+
+
+# --- how many calls: named, required, parallel_tool_calls; streamed and whole alike ----------------
+
+def calls_of(client, **args) -> tuple[list, list, str, str]:
+    """(name, arguments) of each call, whole and streamed, and both finish reasons."""
+    r = client.chat.completions.create(**args)
+    whole = [(c.function.name, json.loads(c.function.arguments)) for c in r.choices[0].message.tool_calls or []]
+    streamed, finish = {}, None
+    for chunk in client.chat.completions.create(**args, stream=True):
+        for choice in chunk.choices:
+            for d in choice.delta.tool_calls or []:
+                call = streamed.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+                call["arguments"] += d.function.arguments or ""
+            finish = choice.finish_reason or finish
+    def parsed(arguments: str):  # a call max_tokens cut short keeps the text it got
+        try:
+            return json.loads(arguments)
+        except json.JSONDecodeError:
+            return arguments
+
+    streamed = [(c["name"], parsed(c["arguments"])) for _, c in sorted(streamed.items())]
+    return whole, streamed, r.choices[0].finish_reason, finish
+
+
+# EOS biased away: the reply ends after one call only where the grammar allows nothing else.
+NO_EOS = {str(EOS): -100}
+
+
+@pytest.mark.parametrize("parallel", [None, True, False])
+def test_a_named_function_is_called_exactly_once(client, parallel):
+    args = dict(model="m", messages=ASK, tools=TOOLS, max_tokens=200, temperature=0, logit_bias=NO_EOS,
+                tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    if parallel is not None:
+        args["parallel_tool_calls"] = parallel
+    whole, streamed, finish, streamed_finish = calls_of(client, **args)
+    assert [name for name, _ in whole] == ["get_weather"], whole
+    assert whole == streamed and finish == streamed_finish == "tool_calls"
+    jsonschema.validate(whole[0][1], SCHEMAS["get_weather"])
+
+
+def test_required_calls_at_least_once_and_once_without_parallel_calls(client):
+    base = dict(model="m", messages=ASK, tools=TOOLS, max_tokens=120, temperature=0, tool_choice="required")
+    whole, streamed, finish, _ = calls_of(client, **base, logit_bias=NO_EOS, parallel_tool_calls=False)
+    assert len(whole) == 1 and whole == streamed and finish == "tool_calls"
+    whole, streamed, finish, streamed_finish = calls_of(client, **base)
+    assert len(whole) >= 1 and whole == streamed[: len(whole)] and finish in ("tool_calls", "length")
+
+
+STRICT = {"type": "function", "function": {"name": "note", "strict": True, "parameters": {
+    "type": "object", "properties": {"text": {"type": "string", "maxLength": 8},
+                                     "tags": {"type": "array", "maxItems": 2, "items": {
+                                         "type": "object", "properties": {"k": {"type": "integer", "minimum": 0, "maximum": 99}}}}}}}}
+
+
+def test_strict_schemas_allow_no_other_keys(client):
+    """Sampled (random weights write whatever the grammar lets them): every call's arguments, and
+    each object inside them, hold only the keys the strict schema lists."""
+    closed = json.loads(json.dumps(STRICT["function"]["parameters"]))
+    closed["additionalProperties"] = False
+    closed["properties"]["tags"]["items"]["additionalProperties"] = False
+    r = client.chat.completions.create(model="m", messages=ASK, tools=[STRICT], tool_choice="required", n=4,
+                                       temperature=1.5, seed=7, max_tokens=200, parallel_tool_calls=False)
+    calls = [c for choice in r.choices for c in choice.message.tool_calls or []]
+    assert len(calls) >= 3, r.choices
+    for c in calls:
+        jsonschema.validate(json.loads(c.function.arguments), closed)

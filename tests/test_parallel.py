@@ -231,8 +231,8 @@ def _generate(group: ParallelGroup | None, model_dir: str, speculate: int = 0, d
                params=pb.NextTokenChooserParameters(**sample, seed=1234, has_seed=True))  # fmt: skip
     outs = router.run()  # decode entries leave room for `speculate` proposals
     out = {rid: {"ids": o.ids, "logprobs": o.logprobs, "top": o.top, "finish": o.finish} for rid, o in outs.items()}
-    prompt = {rid: [None if math.isnan(x) else x for x in o.prefill.logprobs]  # NaN != NaN
-              for rid, o in outs.items() if o.prefill is not None}  # fmt: skip
+    prompt = {rid: [None if math.isnan(x) else x for x in o.prompt]  # NaN != NaN
+              for rid, o in outs.items() if o.prompt}  # fmt: skip
     return {"num_blocks": warm.num_blocks, "pool_heads": runner.pool.storage.shape[-2], "out": out, "prompt": prompt,
             "params": sum(p.numel() for p in runner.model.parameters())}
 

@@ -267,11 +267,11 @@ def test_eos_finishes_and_matches_generate(shard, router):
 def test_finish_at_first_step_and_prompt_logprobs(shard, router):
     client, hf, *_ = shard
     prompt = [3, 14, 15, 92, 65, 35]
-    router.add(30, prompt, 1, prefill_logprobs=True)
+    out = router.add(30, prompt, 1, prefill_logprobs=True)
     (gen,) = router.step().generations
-    assert gen.finish_reason == pb.FINISH_REASON_LENGTH and list(gen.prefill_tokens.ids) == prompt
+    assert gen.finish_reason == pb.FINISH_REASON_LENGTH and gen.prompt_logprobs.first == 1
     assert not router.requests
-    lps = list(gen.prefill_tokens.logprobs)
+    lps = out.prompt
     with torch.no_grad():
         logp = hf(torch.tensor([prompt])).logits[0].log_softmax(-1)
     assert math.isnan(lps[0])
@@ -291,7 +291,7 @@ def test_cached_prefix_request(shard, router):
     router.send(step)
     out = router.run()
     assert out[41].ids == hf_greedy(hf, other, 6)
-    lps = list(out[41].prefill.logprobs)  # NaN where the predecessor was cached
+    lps = out[41].prompt  # NaN where the predecessor was cached: the router fills those
     assert all(math.isnan(x) for x in lps[:9]) and not any(math.isnan(x) for x in lps[9:])
 
 

@@ -25,9 +25,11 @@ pub enum Finish {
 /// What the scheduler tells a request's stream, in token ids.
 #[derive(Debug, Clone)]
 pub enum SeqEvent {
-    /// Prompt token ids with logprobs (first NaN), sent first when
+    /// Prompt token ids with logprobs (the first NaN), each token's rank and,
+    /// when asked, the alternatives at its position (`ranks` and `top` as
+    /// long as `ids`; `top` empty without alternatives); sent first when
     /// `decoder_input_details`.
-    Prefill { ids: Vec<u32>, logprobs: Vec<f32> },
+    Prefill { ids: Vec<u32>, logprobs: Vec<f32>, ranks: Vec<u32>, top: Vec<pb::Tokens> },
     /// Tokens of one step (one, or several with speculation); `finish` is
     /// set on the last event of the sequence.
     Tokens {
@@ -103,6 +105,7 @@ mod tests {
             stop_sequences: vec![],
             top_n_tokens: 0,
             decoder_input_details: false,
+            prompt_top_n: 0,
             seed: None,
             grammar: None,
             priority: 0,

@@ -77,6 +77,9 @@ pub struct SamplingExtras {
     pub logit_bias: Vec<(String, f32)>,
     /// A Lark grammar the router built (forced tool calls); exclusive with `grammar`.
     pub lark: Option<String>,
+    /// With `decoder_input_details`: alternatives at each prompt position
+    /// (`logprobs` with `echo`, vLLM's `prompt_logprobs`).
+    pub prompt_top_n: u32,
     /// How the stream writes the generated text (special tokens, matched stops).
     pub text: TextOptions,
 }
@@ -108,7 +111,10 @@ pub struct ValidRequest {
     pub stop_token_ids: Vec<u32>,
     pub stop_sequences: Vec<String>,
     pub top_n_tokens: u32,
+    /// Every prompt token's logprob (the first has none), gap-free whatever was cached.
     pub decoder_input_details: bool,
+    /// With it: alternatives at each prompt position.
+    pub prompt_top_n: u32,
     pub seed: Option<u64>,
     /// Constrained decoding, checked here (schema is an object, regex compiles).
     pub grammar: Option<pb::Grammar>,

@@ -19,6 +19,12 @@ pub struct PrefillToken {
     pub text: String,
     /// `null` for the first token, which has no context to be predicted from.
     pub logprob: Option<f32>,
+    /// Its rank in the vocabulary at its position (1: the most likely); OpenAI's routes report it.
+    #[serde(skip)]
+    pub rank: Option<u32>,
+    /// The most likely tokens at its position, when asked (OpenAI's routes).
+    #[serde(skip)]
+    pub top: Vec<Token>,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, PartialEq, Eq, ToSchema)]

@@ -11,6 +11,7 @@ use std::time::Instant;
 use tokenizers::Tokenizer;
 
 use crate::detokenize::IncrementalDecoder;
+use crate::proto::pb;
 use crate::queue::{Finish, SeqEvent};
 use crate::request::{TextOptions, ValidRequest};
 use crate::response::{FinishReason, PrefillToken, Token};
@@ -105,17 +106,8 @@ impl TextStream {
             return;
         }
         match event {
-            SeqEvent::Prefill { ids, logprobs } => {
-                let prefill = ids
-                    .iter()
-                    .zip(logprobs.iter().chain(std::iter::repeat(&f32::NAN)))
-                    .map(|(&id, &lp)| PrefillToken {
-                        id,
-                        text: self.ctx.token_text(id),
-                        logprob: if lp.is_nan() { None } else { Some(lp) },
-                    })
-                    .collect();
-                out.push_back(InferStreamResponse::Prefill(prefill));
+            SeqEvent::Prefill { ids, logprobs, ranks, top } => {
+                out.push_back(InferStreamResponse::Prefill(self.prefill(&ids, &logprobs, &ranks, &top)));
             }
             SeqEvent::Tokens { ids, logprobs, top, finish, started_at } => {
                 let n = ids.len();
@@ -143,6 +135,28 @@ impl TextStream {
                 }
             }
         }
+    }
+
+    /// Prompt tokens with text; the first (NaN) has no logprob.
+    fn prefill(&self, ids: &[u32], logprobs: &[f32], ranks: &[u32], top: &[pb::Tokens]) -> Vec<PrefillToken> {
+        let alternatives = |i: usize| -> Vec<Token> {
+            top.get(i).map_or_else(Vec::new, |t| {
+                t.ids.iter().zip(&t.logprobs).map(|(&a, &lp)| self.ctx.token(a, lp, self.ctx.token_text(a))).collect()
+            })
+        };
+        ids.iter()
+            .enumerate()
+            .map(|(i, &id)| {
+                let lp = logprobs.get(i).copied().filter(|l| !l.is_nan());
+                PrefillToken {
+                    id,
+                    text: self.ctx.token_text(id),
+                    logprob: lp,
+                    rank: lp.and(ranks.get(i).copied()),
+                    top: if lp.is_some() { alternatives(i) } else { Vec::new() },
+                }
+            })
+            .collect()
     }
 
     fn push(
@@ -247,6 +261,7 @@ mod tests {
             stop_sequences: stop.iter().map(|s| s.to_string()).collect(),
             top_n_tokens: 0,
             decoder_input_details: false,
+            prompt_top_n: 0,
             seed: Some(7),
             grammar: None,
             priority: 0,
@@ -283,7 +298,7 @@ mod tests {
     fn the_shards_finish_ends_the_stream_with_its_reason() {
         let mut s = TextStream::new(ctx(), &request(&[]), TextOptions::default(), Instant::now());
         let mut out = VecDeque::new();
-        s.apply(SeqEvent::Prefill { ids: vec![0], logprobs: vec![f32::NAN] }, &mut out);
+        s.apply(SeqEvent::Prefill { ids: vec![0], logprobs: vec![f32::NAN], ranks: vec![0], top: vec![] }, &mut out);
         s.apply(tokens(&[1], None), &mut out);
         s.apply(tokens(&[1, 2], Some(Finish::Length)), &mut out);
         assert_eq!(out.len(), 4);

@@ -119,6 +119,7 @@ impl Validation {
         let input_ids = self.prompt_ids(&inputs, ids, add_special_tokens, p.truncate).await?;
         let max_new_tokens = self.max_new_tokens(&p, input_ids.len() as u32)?;
         let top_n_tokens = self.top_n_tokens(&p)?;
+        let prompt_top_n = self.prompt_top_n(&p)?;
         self.check_stop_sequences(&p.stop)?;
         let min_new_tokens = check_min_new_tokens(&p, max_new_tokens)?;
         // A finished grammar allows only EOS; holding EOS back would leave no token at all.
@@ -141,6 +142,7 @@ impl Validation {
             stop_sequences: p.stop,
             top_n_tokens,
             decoder_input_details: p.decoder_input_details,
+            prompt_top_n,
             seed: p.seed,
             grammar,
             priority,
@@ -226,6 +228,15 @@ impl Validation {
             Some(n) => Ok(n as u32),
             None => Ok(0),
         }
+    }
+
+    /// Alternatives per prompt position: only with prompt logprobs, at most `max_top_n_tokens`.
+    fn prompt_top_n(&self, p: &GenerateParameters) -> Result<u32, RouterError> {
+        let n = p.extras.prompt_top_n;
+        if n > self.limits.max_top_n_tokens {
+            return Err(invalid(format!("`prompt_logprobs` must be <= {}. Given: {n}", self.limits.max_top_n_tokens)));
+        }
+        Ok(if p.decoder_input_details { n } else { 0 })
     }
 
     fn check_stop_sequences(&self, stop: &[String]) -> Result<(), RouterError> {

@@ -162,8 +162,9 @@ class ChatCompletionChunk(_Model):
 
 class CompletionLogprobs(_Model):
     tokens: list[str] = []
-    token_logprobs: list[float] = []
-    top_logprobs: list[dict[str, float]] = []
+    # With echo: the prompt's tokens first, the first one's entries None.
+    token_logprobs: list[float | None] = []
+    top_logprobs: list[dict[str, float] | None] = []
     text_offset: list[int] = []
 
 

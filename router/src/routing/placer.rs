@@ -261,6 +261,7 @@ mod tests {
             stop_sequences: vec![],
             top_n_tokens: 0,
             decoder_input_details: false,
+            prompt_top_n: 0,
             seed: None,
             grammar: None,
             priority: 0,

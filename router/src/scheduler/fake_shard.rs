@@ -22,6 +22,8 @@ struct Req {
     max_new: u32,
     generated: u32,
     ignore_eos: bool,
+    /// With prefill_logprobs: the prompt's length and the alternatives asked for.
+    prompt_lps: Option<(u32, u32)>,
 }
 
 pub struct FakeShard {
@@ -40,6 +42,17 @@ pub struct FakeShard {
     pub store: HashMap<String, Vec<Option<u32>>>,
     /// Keys whose file a test corrupted: loading them fails.
     pub corrupt: std::collections::HashSet<String>,
+    /// A prompt position whose logprob the shard leaves out of its reports (a broken shard).
+    pub omit_prompt_position: Option<u32>,
+}
+
+/// The "model"'s logprob of `token` after `context`, its rank, and the alternatives there.
+pub fn prompt_logprob(context: &[u32], token: u32, top_n: u32) -> (f32, u32, pb::Tokens) {
+    let h = context.iter().fold(7u64, |h, &t| h.wrapping_mul(131).wrapping_add(t as u64 + 3));
+    let lp = -(((h + token as u64) % 997) as f32 + 1.0) / 100.0;
+    let ids = (0..top_n).map(|k| (next_token(context) + k) % VOCAB).collect();
+    let logprobs = (0..top_n).map(|k| -0.01 * (k + 1) as f32).collect();
+    (lp, 1 + token % 5, pb::Tokens { ids, logprobs })
 }
 
 /// The "model": the next token after `context`.
@@ -60,6 +73,7 @@ impl FakeShard {
             steps: Vec::new(),
             store: HashMap::new(),
             corrupt: Default::default(),
+            omit_prompt_position: None,
         }
     }
 
@@ -97,6 +111,9 @@ impl FakeShard {
                         max_new: stop.max_new_tokens,
                         generated: 0,
                         ignore_eos: stop.ignore_eos_token,
+                        prompt_lps: n
+                            .prefill_logprobs
+                            .then(|| (n.input_ids.len() as u32 - n.generated_len, n.prompt_top_n)),
                     },
                 );
             }
@@ -160,10 +177,11 @@ impl FakeShard {
                     r.id
                 );
             }
+            let prompt_logprobs = self.prompt_report(r, q);
             if end as usize != q.tokens.len() {
                 let q = self.reqs.get_mut(&r.id).expect("known");
                 q.computed = end;
-                generations.push(pb::Generation { request_id: r.id, ..Default::default() });
+                generations.push(pb::Generation { request_id: r.id, prompt_logprobs, ..Default::default() });
                 continue;
             }
             let q = self.reqs.get_mut(&r.id).expect("known");
@@ -192,6 +210,7 @@ impl FakeShard {
                 request_id: r.id,
                 tokens: Some(pb::Tokens { ids, logprobs: vec![-0.5; n] }),
                 finish_reason: finish as i32,
+                prompt_logprobs,
                 ..Default::default()
             });
         }
@@ -202,6 +221,27 @@ impl FakeShard {
             kv_failed_loads: failed_loads,
             ..Default::default()
         }
+    }
+
+    /// The prompt positions a range's rows predict: `num_computed + 1 ..= end`,
+    /// within the prompt (short of `omit_prompt_position`).
+    fn prompt_report(&self, r: &pb::ScheduledRequest, q: &Req) -> Option<pb::PromptLogprobs> {
+        let (len, top_n) = q.prompt_lps?;
+        let first = r.num_computed + 1;
+        let mut end = (r.num_computed + r.num_tokens).min(len - 1);
+        if let Some(o) = self.omit_prompt_position.filter(|o| (first..=end).contains(o)) {
+            end = o - 1;
+        }
+        let mut out = pb::PromptLogprobs { first, ..Default::default() };
+        for pos in first..=end {
+            let (lp, rank, top) = prompt_logprob(&q.tokens[..pos as usize], q.tokens[pos as usize], top_n);
+            out.logprobs.push(lp);
+            out.ranks.push(rank);
+            if top_n > 0 {
+                out.top.push(top);
+            }
+        }
+        Some(out)
     }
 
     /// Saves (before anything of this step writes), loads, deletes; returns the failed loads.

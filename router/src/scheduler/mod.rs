@@ -11,9 +11,12 @@ mod ahead;
 #[cfg(test)]
 mod fake_shard;
 mod in_flight;
+pub mod logprob_cache;
+mod logprob_gather;
 mod order;
 mod preempt;
 mod priority_preempt;
+pub mod prompt_logprobs;
 mod prompts;
 mod schedule;
 pub mod sequence;
@@ -30,6 +33,8 @@ mod tests_in_flight;
 mod tests_priority;
 #[cfg(test)]
 mod tests_priority_preempt;
+#[cfg(test)]
+mod tests_prompt_logprobs;
 #[cfg(test)]
 mod tests_requeue;
 #[cfg(test)]

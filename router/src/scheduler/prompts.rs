@@ -9,6 +9,7 @@ use std::time::Instant;
 
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
 use super::in_flight::{common_blocks, hold_back_waiting, reach, waits};
+use super::logprob_gather::{cacheable_blocks, fill_from_cache};
 use super::order::{order_queue, units};
 use super::sequence::Sequence;
 use super::state::State;
@@ -54,7 +55,9 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
             continue;
         }
         let len = s.len();
-        let mut blocks = prompt_blocks(st, plan, &s);
+        fill_from_cache(&mut s, &mut st.logprob_cache);
+        let cap = cacheable_blocks(&s, &st.logprob_cache, bs);
+        let mut blocks = prompt_blocks(st, plan, &s, cap);
         let cache_len = blocks.len() * bs;
         if !blocks.ensure_capacity(len) {
             // Admission estimates are conservative; should one still fall
@@ -78,7 +81,7 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
             _ => len - cache_len,
         };
         plan.prefix_hit_tokens += cache_len as u64;
-        if !plan_tier_loads(st, plan, &s, cache_len / bs) {
+        if !plan_tier_loads(st, plan, &s, cache_len / bs, cap) {
             plan.push(&mut s, n, 0, true);
         }
         st.running.push(s);
@@ -123,11 +126,11 @@ fn admissions(
 /// the longer prefix of a prompt still being computed (a common system
 /// prompt, forks of `n`/`best_of` admitted together), as far as that one
 /// has computed it or computes it in this step: the shard writes those
-/// blocks before anyone reads them.
-fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence) -> KvBlocks {
+/// blocks before anyone reads them. At most `cap` blocks (`cacheable_blocks`).
+fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, cap: u32) -> KvBlocks {
     let bs = st.kv.block_size();
-    let mut blocks = st.kv.acquire_prefix(&s.tokens);
-    let limit = fork_shared_blocks(s.len(), bs);
+    let mut blocks = st.kv.acquire_prefix(capped(&s.tokens, cap, bs));
+    let limit = fork_shared_blocks(s.len(), bs).min(cap);
     let caching = st.kv.prefix_caching();
     let best = st
         .running
@@ -153,8 +156,8 @@ fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence) -> KvBlocks {
 /// Plans loading the blocks from `first` on that the second tier holds;
 /// true when there are any: the sequence then only loads in this step, its
 /// compute is planned once the reply confirmed the loads.
-fn plan_tier_loads(st: &State, plan: &mut StepPlan, s: &Sequence, first: u32) -> bool {
-    let keys = st.kv.tier_hits(&s.tokens, first as usize);
+fn plan_tier_loads(st: &State, plan: &mut StepPlan, s: &Sequence, first: u32, cap: u32) -> bool {
+    let keys = st.kv.tier_hits(capped(&s.tokens, cap, st.kv.block_size()), first as usize);
     if keys.is_empty() {
         return false;
     }
@@ -191,9 +194,10 @@ pub(super) fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate 
     let leader = &st.queue[unit.start];
     let len = leader.len();
     let blocks = st.kv.blocks_for(len);
-    let cached = st.kv.peek_prefix(&leader.tokens).min(blocks);
+    let cap = cacheable_blocks(leader, &st.logprob_cache, bs);
+    let cached = st.kv.peek_prefix(&leader.tokens).min(blocks).min(cap);
     let forks = unit.len() as u32 - 1;
-    let shared = fork_shared_blocks(len, bs);
+    let shared = fork_shared_blocks(len, bs).min(cap);
     Candidate {
         chunkable: forks == 0 && leader.chunkable(),
         sequences: unit.len() as u32,
@@ -209,4 +213,11 @@ pub(super) fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate 
 /// left for the fork to compute, since its first token is sampled from it.
 fn fork_shared_blocks(len: u32, block_size: u32) -> u32 {
     len.saturating_sub(1) / block_size
+}
+
+/// The tokens whose cached prefix may be taken, `cap` blocks at most: the
+/// cache leaves the last token of what it is given to compute.
+fn capped(tokens: &[u32], cap: u32, block_size: u32) -> &[u32] {
+    let n = (cap as usize).saturating_mul(block_size as usize).saturating_add(1);
+    &tokens[..n.min(tokens.len())]
 }

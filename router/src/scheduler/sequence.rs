@@ -4,6 +4,7 @@
 
 use std::time::Instant;
 
+use super::prompt_logprobs::PromptLogprobs;
 use crate::kv::KvBlocks;
 use crate::proto::pb;
 use crate::queue::Entry;
@@ -39,11 +40,15 @@ pub struct Sequence {
     /// Tokens whose KV the last preemption gave up (what resuming recomputes
     /// unless the prefix cache still holds them).
     pub lost: u32,
+    /// The prompt's logprobs as they come, when the request asked for them.
+    pub prompt_lps: Option<PromptLogprobs>,
 }
 
 impl Sequence {
     pub fn new(entry: Entry) -> Self {
         let Entry { id, request, queued_at, queue_deadline, group, .. } = entry;
+        let prompt_lps =
+            request.decoder_input_details.then(|| PromptLogprobs::new(request.input_ids.len(), request.prompt_top_n));
         Self {
             id,
             tokens: request.input_ids.clone(),
@@ -62,6 +67,7 @@ impl Sequence {
             preemptions: 0,
             arrival: 0,
             lost: 0,
+            prompt_lps,
         }
     }
 
@@ -113,16 +119,21 @@ impl Sequence {
                 stop_token_ids: r.stop_token_ids.clone(),
             }),
             top_n_tokens: r.top_n_tokens,
-            // A resumed sequence already sent its prompt details.
-            prefill_logprobs: r.decoder_input_details && self.preemptions == 0,
+            prefill_logprobs: self.wants_prompt_logprobs(),
             generated_len: self.generated,
             grammar: r.grammar.clone(),
+            prompt_top_n: if self.wants_prompt_logprobs() { r.prompt_top_n } else { 0 },
         }
     }
 
-    /// Prompt logprobs come from one step over the whole prompt; forks read
-    /// blocks their leader writes in the same step. Neither may be chunked.
+    /// Prompt logprobs asked for and not yet handed to the stream (a
+    /// sequence resumed after its first token already sent them).
+    pub fn wants_prompt_logprobs(&self) -> bool {
+        self.prompt_lps.as_ref().is_some_and(|l| !l.sent)
+    }
+
+    /// Forks read blocks their leader writes in the same step: they may not be chunked.
     pub fn chunkable(&self) -> bool {
-        self.group.is_none() && !(self.request.decoder_input_details && self.preemptions == 0)
+        self.group.is_none()
     }
 }

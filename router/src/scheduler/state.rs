@@ -6,6 +6,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
+use super::logprob_cache::LogprobCache;
 use super::sequence::Sequence;
 use super::SchedulerConfig;
 use crate::kv::KvManager;
@@ -14,6 +15,8 @@ use crate::queue::Entry;
 pub struct State {
     pub config: SchedulerConfig,
     pub kv: KvManager,
+    /// Prompt logprobs stored beside the prefix cache's blocks.
+    pub logprob_cache: LogprobCache,
     pub queue: VecDeque<Sequence>,
     /// Oldest admission first.
     pub running: Vec<Sequence>,
@@ -29,6 +32,7 @@ impl State {
     pub fn new(config: SchedulerConfig, kv: KvManager) -> Self {
         Self {
             config,
+            logprob_cache: LogprobCache::new(kv.block_size(), kv.capacity()),
             kv,
             queue: VecDeque::new(),
             running: Vec::new(),

@@ -54,6 +54,7 @@ pub(super) fn request(prompt: Vec<u32>, max_new: u32) -> ValidRequest {
         stop_sequences: vec![],
         top_n_tokens: 0,
         decoder_input_details: false,
+        prompt_top_n: 0,
         seed: None,
         grammar: None,
         priority: 0,
@@ -84,6 +85,8 @@ pub(super) struct Outcome {
     pub tokens: HashMap<u64, Vec<u32>>,
     pub finish: HashMap<u64, Option<Finish>>,
     pub errors: HashMap<u64, RouterError>,
+    /// Prompt logprobs (and alternatives) each sequence's stream got.
+    pub prefill: HashMap<u64, (Vec<f32>, Vec<pb::Tokens>)>,
     pub steps: usize,
     /// Per step: prompt tokens, and decode tokens with their proposal room.
     pub step_tokens: Vec<(u32, u32)>,
@@ -132,7 +135,9 @@ pub(super) fn collect(out: &mut Outcome, events: Vec<super::update::Event>) {
                     out.finish.insert(id, finish);
                 }
             }
-            Ok(SeqEvent::Prefill { .. }) => {}
+            Ok(SeqEvent::Prefill { logprobs, top, .. }) => {
+                assert!(out.prefill.insert(id, (logprobs, top)).is_none(), "request {id}: its prompt twice");
+            }
             Err(e) => {
                 out.errors.insert(id, e);
             }

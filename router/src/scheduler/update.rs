@@ -18,6 +18,7 @@
 
 use std::collections::HashMap;
 
+use super::logprob_gather::{prefill_event, take_report};
 use super::sequence::Sequence;
 use super::state::State;
 use super::step_plan::{Planned, StepPlan};
@@ -57,7 +58,13 @@ pub fn update(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse) -> (Vec<
         let outcome = match by_id.get(&p.id) {
             None => Err(format!("the shard returned no generation for request {}", p.id)),
             Some(None) => Err(format!("the shard returned two generations for request {}", p.id)),
-            Some(Some(g)) => check(p, g, left),
+            Some(Some(g)) => check(p, g, left).and_then(|g| {
+                // A sequence that failed on the shard is ended with that error below.
+                if g.error.is_empty() {
+                    take_report(&mut st.running[i], g, p.samples)?;
+                }
+                Ok(g)
+            }),
         };
         let g = match outcome {
             Ok(g) => g,
@@ -129,10 +136,8 @@ fn apply_sample(
         if let Some(b) = s.blocks.as_ref() {
             st.kv.commit(b, &s.tokens[..(p.num_computed + p.num_tokens) as usize]);
         }
-        if s.request.decoder_input_details && s.preemptions == 0 {
-            if let Some(t) = &g.prefill_tokens {
-                events.push((p.id, Ok(SeqEvent::Prefill { ids: t.ids.clone(), logprobs: t.logprobs.clone() })));
-            }
+        if let Some(prefill) = prefill_event(s, &mut st.logprob_cache, st.kv.prefix_caching()) {
+            events.push((p.id, Ok(prefill)));
         }
     }
     stats.window_released_blocks += release_behind_window(s, st.config.sliding_window, st.kv.block_size());

@@ -2,7 +2,9 @@
 //! function): the parser's own format, with each call's JSON held to
 //! `{"name": <one of the tools>, "arguments": <its parameters schema>}` by
 //! llguidance's `%json` rule. The reply then always parses, and its
-//! arguments validate against the function's schema.
+//! arguments validate against the function's schema (`strict` tools: with
+//! no properties but the listed ones, `strict_schema`). One call, then the
+//! end of the reply, unless parallel calls are allowed.
 
 use serde_json::json;
 
@@ -11,7 +13,10 @@ use crate::grammar::compact;
 
 /// The schema of one call object; `args_key` is the format's name for the arguments.
 fn call_schema(tool: &Tool, args_key: &str) -> String {
-    let params = tool.function.parameters.clone().unwrap_or_else(|| json!({"type": "object"}));
+    let mut params = tool.function.parameters.clone().unwrap_or_else(|| json!({"type": "object"}));
+    if tool.function.strict == Some(true) {
+        strict_schema(&mut params);
+    }
     // Built as a map so "name" comes first (serde_json keeps insertion order here).
     let mut props = serde_json::Map::new();
     props.insert("name".into(), json!({"const": tool.function.name}));
@@ -24,6 +29,33 @@ fn call_schema(tool: &Tool, args_key: &str) -> String {
         "x-guidance": compact(),
     })
     .to_string()
+}
+
+/// OpenAI's strict mode: every object schema that leaves `additionalProperties`
+/// unsaid takes none, down through properties, items and combinations.
+pub fn strict_schema(schema: &mut serde_json::Value) {
+    let Some(obj) = schema.as_object_mut() else { return };
+    let is_object =
+        obj.get("type").is_some_and(|t| t == "object" || t.as_array().is_some_and(|a| a.contains(&json!("object"))))
+            || obj.contains_key("properties");
+    if is_object && !obj.contains_key("additionalProperties") {
+        obj.insert("additionalProperties".into(), json!(false));
+    }
+    for key in ["properties", "$defs", "definitions", "patternProperties"] {
+        if let Some(map) = obj.get_mut(key).and_then(|m| m.as_object_mut()) {
+            map.values_mut().for_each(strict_schema);
+        }
+    }
+    for key in ["items", "additionalProperties", "not"] {
+        if let Some(sub) = obj.get_mut(key) {
+            strict_schema(sub);
+        }
+    }
+    for key in ["anyOf", "oneOf", "allOf", "prefixItems"] {
+        if let Some(list) = obj.get_mut(key).and_then(|l| l.as_array_mut()) {
+            list.iter_mut().for_each(strict_schema);
+        }
+    }
 }
 
 /// A Lark grammar (llguidance dialect) for one or more calls of `tools`.
@@ -87,6 +119,25 @@ mod tests {
             ),
             "{g}"
         );
+    }
+
+    #[test]
+    fn strict_tools_take_no_unlisted_properties() {
+        let mut s = json!({"type": "object", "properties": {
+            "place": {"type": "object", "properties": {"city": {"type": "string"}}},
+            "tags": {"type": "array", "items": {"type": "object"}},
+            "extra": {"type": "object", "additionalProperties": true}}});
+        strict_schema(&mut s);
+        assert_eq!(s["additionalProperties"], false);
+        assert_eq!(s["properties"]["place"]["additionalProperties"], false);
+        assert_eq!(s["properties"]["tags"]["items"]["additionalProperties"], false);
+        assert_eq!(s["properties"]["extra"]["additionalProperties"], true, "what the schema says stays");
+        let mut t = tools();
+        t[0].function.strict = Some(true);
+        let g = lark(ToolCallParser::Hermes, &t[..1], false, (None, None));
+        assert!(g.contains(r#""required":["city"],"additionalProperties":false"#), "{g}");
+        let loose = lark(ToolCallParser::Hermes, &tools()[..1], false, (None, None));
+        assert!(!loose.contains(r#""required":["city"],"additionalProperties":false"#), "{loose}");
     }
 
     #[test]

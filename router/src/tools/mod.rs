@@ -78,7 +78,8 @@ pub struct FunctionDef {
     /// JSON schema of the arguments object; absent means no arguments constraint.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parameters: Option<serde_json::Value>,
-    /// Accepted: arguments of forced calls always follow the schema given here.
+    /// Forced calls' arguments always follow `parameters`; with `strict`, every object in
+    /// it that does not say otherwise takes no properties beyond its own (as OpenAI's strict mode).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub strict: Option<bool>,
 }
@@ -159,7 +160,8 @@ pub struct ToolPlan {
     pub parse: bool,
     /// Force calls with a grammar: all tools ("required") or one (named).
     pub force: Option<Vec<Tool>>,
-    /// More than one call per reply.
+    /// More than one call per reply: never for a named function (exactly
+    /// one call to it), nor with `parallel_tool_calls: false` (at most one).
     pub parallel: bool,
 }
 
@@ -217,7 +219,9 @@ impl ToolPlan {
             }
             return Ok(None);
         }
-        Ok(Some(Self { format, tools: tools.to_vec(), parse: true, force, parallel: parallel.unwrap_or(true) }))
+        let named = matches!(choice, Some(ToolChoice::Named(_)));
+        let parallel = parallel.unwrap_or(true) && !named;
+        Ok(Some(Self { format, tools: tools.to_vec(), parse: true, force, parallel }))
     }
 
     pub fn names(&self) -> Vec<&str> {
@@ -289,6 +293,7 @@ mod tests {
         assert!(auto.force.is_none() && auto.parse && auto.parallel);
         assert_eq!(plan(serde_json::json!("required")).unwrap().unwrap().force.unwrap().len(), 2);
         let named = plan(serde_json::json!({"type": "function", "function": {"name": "add"}})).unwrap().unwrap();
+        assert!(!named.parallel, "a named function is called exactly once");
         assert_eq!(named.force.unwrap()[0].function.name, "add");
         let e = plan(serde_json::json!({"type": "function", "function": {"name": "nope"}})).unwrap_err();
         assert_eq!(e.param().as_deref(), Some("tool_choice.function.name"));

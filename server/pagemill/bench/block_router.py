@@ -15,6 +15,8 @@ test can send garbage and then carry on.
 
 from __future__ import annotations
 
+import math
+
 import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
@@ -69,7 +71,11 @@ class Output:
     top: list[list[int]] = field(default_factory=list)
     finish: int = pb.FINISH_REASON_UNSPECIFIED
     error: str = ""
-    prefill: pb.Tokens | None = None
+    # With prefill_logprobs: the logprob of each prompt position, NaN where none came
+    # (the first token, a cached prefix); rank and alternatives where reported.
+    prompt: list[float] = field(default_factory=list)
+    prompt_ranks: dict[int, int] = field(default_factory=dict)
+    prompt_top: dict[int, list[int]] = field(default_factory=dict)
     done: bool = False
 
 
@@ -90,6 +96,15 @@ def step_response(result) -> pb.StepResponse:
     return pb.StepResponse(generations=result.generations, forward_ns=result.forward_ns, total_ns=result.forward_ns)
 
 
+def fold_prompt_logprobs(o: Output, p) -> None:
+    """One step's pb.PromptLogprobs into the request's per-position lists."""
+    for i, lp in enumerate(p.logprobs):
+        o.prompt[p.first + i] = lp
+        o.prompt_ranks[p.first + i] = p.ranks[i]
+        if p.top:
+            o.prompt_top[p.first + i] = list(p.top[i].ids)
+
+
 class BlockRouter:
     def __init__(self, step: Callable, num_blocks: int, block_size: int, *, speculate: int = 0, seed: int = 0):
         self._step = step  # pb.StepRequest -> pb.StepResponse
@@ -108,7 +123,8 @@ class BlockRouter:
 
     def add(self, rid: int, prompt: Iterable[int], max_new_tokens: int, *, params=None, ignore_eos: bool = False,
             min_new_tokens: int = 0, stop_token_ids=(), top_n: int = 0, prefill_logprobs: bool = False,
-            grammar=None, prefix: tuple[int, int] | None = None, chunk: int | None = None) -> Output:
+            grammar=None, prefix: tuple[int, int] | None = None, chunk: int | None = None,
+            prompt_top_n: int = 0) -> Output:
         """Queues a request; it joins the next step. prefix=(rid, n): its first n tokens (whole
         blocks) are those of a request still held here, whose blocks it shares (a fork, or a
         prefix-cache hit); they count as computed even if that request computes them in the
@@ -118,8 +134,10 @@ class BlockRouter:
                                                  min_new_tokens=min_new_tokens, stop_token_ids=list(stop_token_ids))
         new = pb.NewRequest(input_ids=prompt, parameters=params or pb.NextTokenChooserParameters(),
                             stopping_parameters=stopping, top_n_tokens=top_n, prefill_logprobs=prefill_logprobs,
-                            grammar=grammar)  # fmt: skip
+                            grammar=grammar, prompt_top_n=prompt_top_n)  # fmt: skip
         t = Tracked(new, list(prompt), chunk)
+        if prefill_logprobs:
+            t.out.prompt = [math.nan] * len(prompt)
         if prefix is not None:
             src, n = self.requests[prefix[0]], prefix[1]
             assert n % self.block_size == 0 and src.tokens[:n] == t.tokens[:n], "a shared prefix is whole blocks"
@@ -188,8 +206,8 @@ class BlockRouter:
             o.ids += g.tokens.ids
             o.logprobs += g.tokens.logprobs
             o.top += [list(x.ids) for x in g.top_tokens]
-            if g.HasField("prefill_tokens"):
-                o.prefill = g.prefill_tokens
+            if g.HasField("prompt_logprobs"):
+                fold_prompt_logprobs(o, g.prompt_logprobs)
             o.finish, o.error = g.finish_reason, g.error
             if g.error or g.finish_reason != pb.FINISH_REASON_UNSPECIFIED:
                 o.done = True

@@ -30,16 +30,16 @@ class Emitted:  # what one step sampled for one request
     top: list[tuple[list[int], list[float]]]
 
 
-def advance(e: Entry, emitted: Emitted | None, prompt_lps: list[float] | None, eos_ids) -> tuple[object, bool]:
+def advance(e: Entry, emitted: Emitted | None, prompt_lps, eos_ids) -> tuple[object, bool]:
     """Appends the entry's tokens up to its first finish; returns its Generation and
-    whether the shard keeps the request (False: finished or failed)."""
+    whether the shard keeps the request (False: finished or failed). prompt_lps: the
+    pb.PromptLogprobs this step computed for the entry, if any."""
     r = e.state
     if r is None or r.error is not None:
         return pb.Generation(request_id=e.id, error=e.error if r is None else r.error), False
     if emitted is None:  # an intermediate prompt chunk: nothing sampled
         r.computed = e.end
-        return pb.Generation(request_id=e.id), True
-    prefill_tokens = pb.Tokens(ids=r.token_ids, logprobs=prompt_lps) if prompt_lps is not None else None
+        return pb.Generation(request_id=e.id, prompt_logprobs=prompt_lps), True
     # Everything fed this step is in the pool: the range and the accepted proposals.
     r.computed = e.end + len(emitted.ids) - 1
     finish, n = pb.FINISH_REASON_UNSPECIFIED, 0
@@ -57,7 +57,7 @@ def advance(e: Entry, emitted: Emitted | None, prompt_lps: list[float] | None, e
         r.penalties.add(emitted.ids[:n])
     gen = pb.Generation(
         request_id=e.id,
-        prefill_tokens=prefill_tokens,
+        prompt_logprobs=prompt_lps,
         tokens=pb.Tokens(ids=emitted.ids[:n], logprobs=emitted.logprobs[:n]),
         top_tokens=[pb.Tokens(ids=i, logprobs=lp) for i, lp in emitted.top[:n]] if r.top_n else [],
         finish_reason=finish,

@@ -34,7 +34,7 @@ from pagemill.shard.constraints import banned_tokens, compile_grammar, start_mas
 from pagemill.shard.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagemill.shard.errors import ShardError
 from pagemill.shard.generations import Emitted, advance
-from pagemill.shard.prompt_logprobs import prompt_logprobs
+from pagemill.shard.prompt_logprobs import prompt_logprobs, prompt_rows
 from pagemill.shard.requests import Entry, Limits, RequestState, apply_step, check_step
 from pagemill.shard.step_inputs import build_inputs, is_decode_step
 from pagemill.shard.threads import ThreadChoice, thread_counts
@@ -231,8 +231,8 @@ class ModelRunner:
             choice = self.thread_choices[len(live)] = ThreadChoice(thread_counts(torch.get_num_threads()))
         return choice if len(choice.counts) > 1 else None
 
-    def _compute(self, live: list[Entry]) -> tuple[dict[int, Emitted], dict[int, list[float]]]:
-        """Emitted tokens of the sampled entries and prompt logprobs, by request id."""
+    def _compute(self, live: list[Entry]) -> tuple[dict[int, Emitted], dict]:
+        """Emitted tokens of the sampled entries and prompt logprobs (pb.PromptLogprobs), by request id."""
         # Proposals only in steps of decode entries alone: a prompt chunk makes it a varlen
         # forward anyway, and keeping verification to one shape keeps it simple.
         all_decode = all(e.is_decode for e in live)
@@ -254,7 +254,9 @@ class ModelRunner:
         masks = start_masks(self.masker, reqs)
         hidden = None
         if is_decode_step(live):
-            logits = self.cuda_graphs.logits_for(inputs) if self.cuda_graphs is not None else None
+            # A one-token prompt chunk that predicts a prompt token needs its hidden row: no graph.
+            graphs = self.cuda_graphs if not any(prompt_rows(e) for e in live) else None
+            logits = graphs.logits_for(inputs) if graphs is not None else None
             if logits is None:  # no graphs (CPU, --no-cuda-graphs) or wider than the largest graph
                 hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
                 logits = self.model.head_logits(hidden)  # the sampler widens what it reads
@@ -268,7 +270,7 @@ class ModelRunner:
             logits = self.model.head_logits(hidden[inputs.last_rows[sampled]])
         if not sampled:
             wait_masks(masks)
-            return {}, {}
+            return {}, prompt_logprobs(self.model, live, hidden)
         out = self.sampler(logits, reqs, wait_masks(masks), banned_tokens(self.eos_ids, reqs))
         emitted = {live[i].id: Emitted([t], [lp], [(ti, tl)]) for i, t, lp, ti, tl in
                    zip(sampled, out.token_ids, out.logprobs, out.top_ids, out.top_logprobs)}  # fmt: skip

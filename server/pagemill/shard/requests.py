@@ -39,6 +39,7 @@ class RequestState:
     draft_len: int = 0  # leading token_ids whose KV the draft model's pool holds
     min_new_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are generated here
     stop_token_ids: frozenset[int] = frozenset()  # tokens that finish the request like EOS
+    prompt_top_n: int = 0  # alternatives reported at each prompt position (with prefill_logprobs)
 
     @property
     def seq_len(self) -> int:
@@ -167,8 +168,9 @@ def new_state(rid: int, r, num_computed: int, lim: Limits) -> RequestState:
     stopping = r.stopping_parameters
     if stopping.max_new_tokens < 1:
         raise invalid(f"request {rid}: max_new_tokens must be >= 1")
-    if r.top_n_tokens > lim.vocab_size:
-        raise invalid(f"request {rid}: top_n_tokens {r.top_n_tokens} > vocab_size {lim.vocab_size}")
+    for name, n_ in (("top_n_tokens", r.top_n_tokens), ("prompt_top_n", r.prompt_top_n)):
+        if n_ > lim.vocab_size:
+            raise invalid(f"request {rid}: {name} {n_} > vocab_size {lim.vocab_size}")
     for name, ids in (("stop_token_ids", stopping.stop_token_ids), ("logit_bias", r.parameters.logit_bias.keys())):
         if any(t >= lim.vocab_size for t in ids):
             raise invalid(f"request {rid}: {name} has a token id >= vocab_size {lim.vocab_size}")
@@ -199,4 +201,5 @@ def new_state(rid: int, r, num_computed: int, lim: Limits) -> RequestState:
         draft_len=num_computed,  # every target prefill is mirrored in the draft pool, cached blocks included
         min_new_tokens=stopping.min_new_tokens,
         stop_token_ids=frozenset(stopping.stop_token_ids),
+        prompt_top_n=r.prompt_top_n if r.prefill_logprobs else 0,
     )

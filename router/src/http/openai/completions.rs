@@ -1,6 +1,7 @@
 //! `POST /v1/completions` (OpenAI's legacy text completions): a prompt or a
 //! list of prompts (text or token ids), `n` choices each; choice `i` of
-//! prompt `p` has index `p * n + i`.
+//! prompt `p` has index `p * n + i`. What it is asked of the prompt (`echo`
+//! with `logprobs`, `prompt_logprobs`, `max_tokens: 0`): scoring.rs.
 
 use std::sync::Arc;
 
@@ -9,6 +10,7 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use tokenizers::Tokenizer;
 
+use super::scoring::{scoring, vllm_prompt_logprobs, Scoring};
 use super::types::{CompletionChoice, CompletionRequest, CompletionResponse, PromptInput, Usage};
 use super::{logprobs, OPENAI};
 use crate::error::{OpenAiErrorBody, RouterError};
@@ -20,7 +22,6 @@ use crate::http::tenant::Tenant;
 use crate::http::{headers, AppState};
 use crate::infer::{GenerateInput, InferResponse};
 use crate::request::GenerateParameters;
-use crate::response::PrefillToken;
 
 fn invalid(msg: impl Into<String>) -> RouterError {
     RouterError::Validation(msg.into())
@@ -50,9 +51,8 @@ pub async fn completions(
     let tokenizer = app.infer.validation().tokenizer().clone();
     let prompts = prompts(&req, &tokenizer);
     check(&app, &req, prompts.len())?;
-    let want_prompt_logprobs = prompt_logprobs_wanted(&req)?;
-    let mut parameters = parameters(&req)?;
-    parameters.decoder_input_details = want_prompt_logprobs;
+    let scored = scoring(&req)?;
+    let parameters = parameters(&req)?;
     let n = req.sampling.n.unwrap_or(1);
     let meta = ResponseMeta::new(&app, "cmpl");
     let inputs: Vec<GenerateInput> = prompts
@@ -70,7 +70,11 @@ pub async fn completions(
     let per_prompt =
         futures::future::try_join_all(inputs.into_iter().map(|input| app.infer.generate_n(input, n, "n"))).await?;
     let prompt_tokens = per_prompt.iter().filter_map(|rs| rs.first()).map(|r| r.input_length).sum();
-    let completion_tokens = per_prompt.iter().flatten().map(|r| r.generated_text.generated_tokens).sum();
+    let completion_tokens = if scored.score_only {
+        0
+    } else {
+        per_prompt.iter().flatten().map(|r| r.generated_text.generated_tokens).sum()
+    };
     let headers = per_prompt
         .first()
         .and_then(|rs| rs.first())
@@ -81,7 +85,7 @@ pub async fn completions(
         let echo = if req.echo { prompts[p].0.as_str() } else { "" };
         for (i, r) in responses.iter().enumerate() {
             let index = (p as u32) * n + i as u32;
-            choices.push(whole_choice(index, r, &req, echo, want_prompt_logprobs, &tokenizer));
+            choices.push(whole_choice(index, r, &req, echo, scored, &tokenizer));
         }
     }
     let body = response_of(&meta, choices, Some(Usage::new(prompt_tokens, completion_tokens)));
@@ -124,9 +128,13 @@ pub(super) fn check(app: &AppState, req: &CompletionRequest, num_prompts: usize)
     check_engine_fields(req)
 }
 
-/// The generation parameters; SGLang's `json_schema` is one more way to give the grammar.
+/// The generation parameters, with what the request asks of its prompt (`scoring.rs`); SGLang's
+/// `json_schema` is one more way to give the grammar.
 pub fn parameters(req: &CompletionRequest) -> Result<GenerateParameters, RouterError> {
-    let mut parameters = req.sampling.to_parameters(req.sampling.max_tokens, req.logprobs)?;
+    let scored = scoring(req)?;
+    let mut parameters = req.sampling.to_parameters(scored.max_tokens(req.sampling.max_tokens), req.logprobs)?;
+    parameters.decoder_input_details = scored.prompt;
+    parameters.extras.prompt_top_n = scored.top_n;
     if let Some(schema) = req.json_schema.clone().filter(|s| !s.is_null()) {
         if parameters.grammar.is_some() {
             return Err(invalid("`json_schema` cannot be combined with another constraint: give one"));
@@ -151,33 +159,28 @@ fn check_engine_fields(req: &CompletionRequest) -> Result<(), RouterError> {
     }
 }
 
-/// `prompt_logprobs`: only 0 (the prompt tokens' own logprobs), and not streamed.
-fn prompt_logprobs_wanted(req: &CompletionRequest) -> Result<bool, RouterError> {
-    match req.prompt_logprobs {
-        None => Ok(false),
-        Some(0) if req.sampling.stream => Err(invalid("`prompt_logprobs` is not supported with `stream`")),
-        Some(0) => Ok(true),
-        Some(k) => {
-            let why = "the prompt tokens' own logprobs; alternatives are not computed";
-            Err(invalid(format!("`prompt_logprobs` must be 0 ({why}). Given: {k}")))
-        }
-    }
-}
-
+/// One choice of a whole reply. With `max_tokens: 0` the generated token is left out: the
+/// text is the echoed prompt, and the reply ends on the length it was given.
 fn whole_choice(
     index: u32,
     r: &InferResponse,
     req: &CompletionRequest,
     echo: &str,
-    want_prompt_logprobs: bool,
+    scored: Scoring,
     tokenizer: &Tokenizer,
 ) -> CompletionChoice {
+    let prompt = if req.echo { r.prefill.as_slice() } else { &[] };
+    let (text, tokens, top) = match scored.score_only {
+        true => (String::new(), &[][..], &[][..]),
+        false => (r.generated_text.text.clone(), r.tokens.as_slice(), r.top_tokens.as_slice()),
+    };
+    let finish = if scored.score_only { "length" } else { r.generated_text.finish_reason.openai() };
     CompletionChoice {
         index,
-        text: format!("{echo}{}", r.generated_text.text),
-        logprobs: req.logprobs.map(|_| logprobs::completion(tokenizer, &r.tokens, &r.top_tokens, echo.chars().count())),
-        prompt_logprobs: want_prompt_logprobs.then(|| prompt_logprobs(&r.prefill)),
-        finish_reason: Some(r.generated_text.finish_reason.openai().to_string()),
+        text: format!("{echo}{text}"),
+        logprobs: req.logprobs.map(|_| logprobs::completion(tokenizer, prompt, tokens, top)),
+        prompt_logprobs: req.prompt_logprobs.map(|k| vllm_prompt_logprobs(&r.prefill, k)),
+        finish_reason: Some(finish.to_string()),
     }
 }
 
@@ -208,7 +211,7 @@ async fn stream(
         };
         let text = if token.special { String::new() } else { token.text.clone() };
         let logprobs = want_logprobs
-            .then(|| logprobs::completion(&tokenizer, std::slice::from_ref(token), std::slice::from_ref(top), 0));
+            .then(|| logprobs::completion(&tokenizer, &[], std::slice::from_ref(token), std::slice::from_ref(top)));
         let choice =
             CompletionChoice { index: msg.index, text, logprobs, prompt_logprobs: None, finish_reason: finish };
         vec![json_event(&response_of(&chunk_meta, vec![choice], None))]
@@ -219,17 +222,6 @@ async fn stream(
         Box::new(usage) as UsageFn
     });
     Ok(sse::sse(handles, prompt_tokens, Box::new(chunk), usage, OPENAI))
-}
-
-/// vLLM's shape: per prompt token `{"<id>": {"logprob", "decoded_token"}}`, `null`
-/// where there is none (the first token; tokens served from the prefix cache).
-fn prompt_logprobs(prefill: &[PrefillToken]) -> Vec<Option<serde_json::Value>> {
-    prefill
-        .iter()
-        .map(|t| {
-            t.logprob.map(|lp| serde_json::json!({ t.id.to_string(): { "logprob": lp, "decoded_token": t.text } }))
-        })
-        .collect()
 }
 
 fn response_of(meta: &ResponseMeta, choices: Vec<CompletionChoice>, usage: Option<Usage>) -> CompletionResponse {

@@ -5,7 +5,7 @@
 use tokenizers::Tokenizer;
 
 use super::types::{ChatLogprob, CompletionLogprobs, TopLogprob};
-use crate::response::Token;
+use crate::response::{PrefillToken, Token};
 
 fn token_text(tokenizer: &Tokenizer, id: u32) -> String {
     tokenizer.decode(&[id], false).unwrap_or_default()
@@ -30,21 +30,34 @@ pub fn chat(tokenizer: &Tokenizer, token: &Token, top: &[Token]) -> Option<ChatL
     })
 }
 
-/// `offset` is where the first token's text starts in the choice's text
-/// (the prompt's length with `echo`).
-pub fn completion(tokenizer: &Tokenizer, tokens: &[Token], top: &[Vec<Token>], offset: usize) -> CompletionLogprobs {
+/// The legacy completions' arrays, one entry per token: the prompt's first
+/// (with `echo`; its first token's logprob and alternatives are `null`),
+/// then the completion's, special tokens included. Offsets count characters
+/// from the start of the choice's text.
+pub fn completion(
+    tokenizer: &Tokenizer,
+    prompt: &[PrefillToken],
+    tokens: &[Token],
+    top: &[Vec<Token>],
+) -> CompletionLogprobs {
     let mut out =
         CompletionLogprobs { tokens: vec![], token_logprobs: vec![], top_logprobs: vec![], text_offset: vec![] };
-    let mut at = offset;
-    for (i, t) in tokens.iter().enumerate().filter(|(_, t)| !t.special) {
-        let text = token_text(tokenizer, t.id);
+    let mut at = 0;
+    let mut push = |text: String, logprob: Option<f32>, alternatives: Option<&[Token]>| {
         out.text_offset.push(at);
         at += text.chars().count();
         out.tokens.push(text);
-        out.token_logprobs.push(t.logprob);
-        let alternatives = top.get(i).map(Vec::as_slice).unwrap_or_default();
+        out.token_logprobs.push(logprob);
         out.top_logprobs
-            .push(alternatives.iter().map(|a| (token_text(tokenizer, a.id), serde_json::json!(a.logprob))).collect());
+            .push(alternatives.map(|alts| {
+                alts.iter().map(|a| (token_text(tokenizer, a.id), serde_json::json!(a.logprob))).collect()
+            }));
+    };
+    for t in prompt {
+        push(t.text.clone(), t.logprob, t.logprob.map(|_| t.top.as_slice()));
+    }
+    for (i, t) in tokens.iter().enumerate() {
+        push(token_text(tokenizer, t.id), Some(t.logprob), Some(top.get(i).map(Vec::as_slice).unwrap_or_default()));
     }
     out
 }

@@ -7,6 +7,7 @@ pub mod completions;
 pub mod engine_fields;
 mod logprobs;
 pub mod render;
+mod scoring;
 pub mod structured_outputs;
 pub mod types;
 
@@ -75,6 +76,7 @@ impl SamplingParams {
                 stop_token_ids: self.stop_token_ids.clone().unwrap_or_default(),
                 logit_bias: self.logit_bias.iter().flatten().map(|(k, v)| (k.clone(), *v)).collect(),
                 lark: None,
+                prompt_top_n: 0,
                 text: self.engine.text_options()?,
             },
             ..Default::default()

@@ -187,7 +187,7 @@ pub struct CompletionRequest {
     #[serde(default, deserialize_with = "null_default")]
     pub echo: bool,
     /// Extension (vLLM): return the logprob of each prompt token in `choices[].prompt_logprobs`
-    /// (`null` for the first). Only 0 is supported: the prompt's own tokens, no alternatives.
+    /// (`null` for the first) with this many alternatives, cached prefix or not.
     pub prompt_logprobs: Option<u32>,
     /// Only `null` or `""`: no fill-in-the-middle.
     pub suffix: Option<String>,
@@ -308,9 +308,12 @@ impl Usage {
 
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct CompletionLogprobs {
+    /// With `echo`, the prompt's tokens first.
     pub tokens: Vec<String>,
-    pub token_logprobs: Vec<f32>,
-    pub top_logprobs: Vec<serde_json::Map<String, serde_json::Value>>,
+    /// `null` for the first prompt token, which nothing predicts.
+    pub token_logprobs: Vec<Option<f32>>,
+    /// The `logprobs` most likely tokens at each position; `null` for the first prompt token.
+    pub top_logprobs: Vec<Option<serde_json::Map<String, serde_json::Value>>>,
     /// Character offset of each token in the choice's text.
     pub text_offset: Vec<usize>,
 }
@@ -320,7 +323,8 @@ pub struct CompletionChoice {
     pub index: u32,
     pub text: String,
     pub logprobs: Option<CompletionLogprobs>,
-    /// With `prompt_logprobs`: per prompt token `{token id: {logprob, rank, decoded_token}}`, `null` first.
+    /// With `prompt_logprobs`: per prompt token `{token id: {logprob, rank, decoded_token}}` (the token,
+    /// then its alternatives), `null` first.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub prompt_logprobs: Option<Vec<Option<serde_json::Value>>>,
     /// "stop" or "length"; `null` in stream chunks until the last.
