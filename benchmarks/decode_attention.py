@@ -1,7 +1,7 @@
 """One layer's decode attention through the compiled CPU paged kernel, against the memory floor.
 
     OMP_NUM_THREADS=1 python benchmarks/decode_attention.py --baseline /tmp/base.so \
-        --json benchmarks/results/decode-attention/decode_attention.json
+        --json /tmp/decode_attention.json   (benchmarks/results/decode-attention/runs.json gathers the committed runs by name)
 
 The default model's shape (9 query heads, 3 kv heads, head_dim 64, --block-size
 64 as the shard's CPU default), bf16 queries over a bf16 pool (and --dtypes float32,fp8_e4m3,int8), for

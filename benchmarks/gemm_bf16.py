@@ -2,7 +2,7 @@
 inner product (what PackedLinear ran before) and F.linear, at decode and prefill row counts.
 
     python benchmarks/gemm_bf16.py --threads 2 --rows 1,8,16,32,64,256,2048 \
-        --json benchmarks/results/gemm-bf16/hot.json
+        --json /tmp/hot.json   (benchmarks/results/gemm-bf16/runs.json gathers the committed runs by name)
     python benchmarks/gemm_bf16.py --threads 2 --rows 8,16,64 --cold --json .../cold.json
 
 Hot: one weight, called again and again (it stays in cache: the multiply's own rate).

@@ -3,7 +3,9 @@ this machine and the default model: disk tier -> pool copy rate (bytes/s: file r
 CRC32 check, copy into the pool) and prefill rate (prompt tokens/s), per block of 16
 tokens. Also what the shard measures at warmup, but with more repeats.
 
-    python benchmarks/kv_tier_rates.py --out benchmarks/results/kv-tier-rates/bfloat16-run1
+    python benchmarks/kv_tier_rates.py --out /tmp/kv-tier-rates/bfloat16-run1
+
+(benchmarks/results/kv-tier-rates/runs.json gathers the committed runs, per dtype.)
 
 Loads are of freshly written files (page cache), as recently evicted blocks are;
 --cold drops nothing (that needs root), so a cold-disk rate is not measured here.

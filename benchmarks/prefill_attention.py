@@ -1,6 +1,8 @@
 """Prefill attention on the CPU: the query-tiled kernel against the per-token path it replaces.
 
-    python benchmarks/prefill_attention.py --json benchmarks/results/prefill-attention/c64-step.json
+    python benchmarks/prefill_attention.py --json /tmp/c64-step.json
+
+(benchmarks/results/prefill-attention/runs.json gathers the committed runs by name.)
     python benchmarks/prefill_attention.py --model --json ...   # + one prefill step of the default model
 
 Layer: one layer's attention over a step of prompts like the c=64 burst (--prompts
