@@ -46,6 +46,7 @@ LAYERS: list[tuple[str, list[str]]] = [
     ("front door", ["infer.rs"]),
     ("request stream", ["stream.rs", "detokenize.rs", "stop.rs"]),
     ("validation", ["validation.rs"]),
+    ("lora adapters served", ["lora/*"]),
     ("batching loop", ["batching/*"]),
     ("kv events publisher", ["kv_events/*"]),
     ("routing", ["routing/*"]),
@@ -56,6 +57,7 @@ LAYERS: list[tuple[str, list[str]]] = [
         "foundation",
         [
             "request.rs",
+            "adapter.rs",
             "response.rs",
             "error.rs",
             "proto.rs",

@@ -107,7 +107,7 @@ def test_metadata_fields():
 
 
 def entry(tokens: list[int], start: int, n: int, table: list[int], proposals=()) -> Entry:
-    state = SimpleNamespace(token_ids=tokens, block_table=table, seq_len=len(tokens))
+    state = SimpleNamespace(token_ids=tokens, block_table=table, seq_len=len(tokens), adapter=None)
     return Entry(0, state, start, n, 0, [], False, proposals=list(proposals))
 
 
@@ -132,6 +132,7 @@ def test_build_inputs(kind):
     assert got.meta.is_prefill == (kind != "decode")
     lens = [len(e.state.token_ids[e.start : e.end] + e.proposals) for e in entries]
     assert got.meta.query_lens == lens and got.meta.kv_lens == [e.start + q for e, q in zip(entries, lens)]
+    assert got.lora is None  # no adapter rows: every linear as without adapters
 
 
 def test_kv_caches_made_once_per_storage(llama_dir):

@@ -147,6 +147,22 @@ pub struct RouterConfig {
     /// vllm-router reads them) or arrays led by the tag (array: vLLM before, as llm-d's indexer reads them)
     #[arg(long, value_enum, default_value_t = crate::kv_events::Layout::Map)]
     pub kv_events_layout: crate::kv_events::Layout,
+    /// serve LoRA adapters (PEFT directories: adapter_config.json + adapter_model.safetensors), chosen per
+    /// request by `model` (OpenAI, Anthropic) or `adapter_id` (TGI); loaded at launch (--lora-modules) or
+    /// by POST /v1/load_lora_adapter (docs/lora.md)
+    #[arg(long)]
+    pub enable_lora: bool,
+    /// adapters served from launch: name=path, or vLLM's JSON '{"name": ..., "path": ...}'; several after
+    /// one flag or the flag repeated (needs --enable-lora)
+    #[arg(long, value_name = "NAME=PATH", num_args = 1.., value_parser = crate::lora::LoraModule::parse)]
+    pub lora_modules: Vec<crate::lora::LoraModule>,
+    /// adapters the shards hold at once (each reserves room for one of --max-lora-rank), and the most
+    /// distinct adapters one step runs: a request whose adapter cannot join waits, the others go ahead
+    #[arg(long, default_value_t = 4, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub max_loras: u32,
+    /// largest rank of an adapter (1 to 64); a larger one is refused when it is loaded
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub max_lora_rank: u32,
     /// level of the router's log: error, warn, info, debug or trace
     #[arg(long, default_value = "info")]
     pub log_level: String,
@@ -248,6 +264,9 @@ impl RouterConfig {
         if self.api_key.as_deref() == Some("") {
             return Err("api_key must not be empty (leave it unset to disable authentication)".into());
         }
+        if !self.enable_lora && !self.lora_modules.is_empty() {
+            return Err("--lora-modules needs --enable-lora".into());
+        }
         if self.max_batch_size == 0 || self.max_concurrent_requests == 0 {
             return Err("max_batch_size and max_concurrent_requests must be positive".into());
         }
@@ -262,7 +281,8 @@ pub struct OptionInfo {
     pub dest: String,
     /// The flag, without the leading `--`.
     pub flag: String,
-    /// "value" (takes one value), "append" (repeatable), "flag" (no value).
+    /// "value" (takes one value), "append" (repeatable), "many" (one or more values, repeatable),
+    /// "flag" (no value).
     pub kind: &'static str,
     pub value_name: Option<String>,
     /// As written on the command line; None where the option has no default.
@@ -285,6 +305,8 @@ pub fn option_table() -> Vec<OptionInfo> {
             flag: a.get_long().unwrap_or_default().to_string(),
             kind: match a.get_action() {
                 ArgAction::SetTrue | ArgAction::SetFalse => "flag",
+                // Several values after one flag (`--lora-modules a=/x b=/y`), as well as repeated.
+                ArgAction::Append if a.get_num_args().is_some_and(|n| n.max_values() > 1) => "many",
                 ArgAction::Append => "append",
                 _ => "value",
             },
@@ -481,6 +503,36 @@ mod tests {
         let err = parse(&["--kv-events-config", r#"{"enable": true}"#]).unwrap_err().to_string();
         assert!(err.contains("unknown field `enable`"), "{err}");
         assert!(RouterConfig::default().kv_events_config.is_none());
+    }
+
+    #[test]
+    fn lora_options_take_vllms_forms() {
+        let c = RouterConfig::default();
+        assert!(!c.enable_lora && c.lora_modules.is_empty());
+        assert_eq!((c.max_loras, c.max_lora_rank), (4, 16));
+        let json = r#"{"name": "b", "path": "/b"}"#;
+        let c = parse(&[
+            "--enable-lora",
+            "--lora-modules",
+            "a=/a",
+            json,
+            "--lora-modules",
+            "c=/c",
+            "--max-lora-rank",
+            "64",
+        ])
+        .unwrap();
+        let names: Vec<&str> = c.lora_modules.iter().map(|m| m.name.as_str()).collect();
+        assert_eq!((names, c.max_lora_rank), (vec!["a", "b", "c"], 64));
+        assert!(parse(&["--max-lora-rank", "65"]).unwrap_err().to_string().contains("--max-lora-rank"));
+        assert!(parse(&["--max-loras", "0"]).unwrap_err().to_string().contains("--max-loras"));
+        assert!(parse(&["--lora-modules", "noequals"]).unwrap_err().to_string().contains("name=path"));
+        let c = parse(&["--shard-uds-path", "/s", "--tokenizer-dir", "/m", "--lora-modules", "a=/a"]).unwrap();
+        assert!(c.check().unwrap_err().contains("needs --enable-lora"));
+        let table = option_table();
+        let row = table.iter().find(|o| o.dest == "lora_modules").unwrap();
+        assert_eq!((row.kind, row.value_name.as_deref()), ("many", Some("NAME=PATH")));
+        assert_eq!(table.iter().find(|o| o.dest == "shard_uds_paths").unwrap().kind, "append");
     }
 
     #[test]

@@ -96,7 +96,11 @@ impl RouterError {
     /// The parameter an input error is about: messages name it first, in
     /// backquotes (`` `top_p` must be ...``).
     pub fn param(&self) -> Option<String> {
-        let (RouterError::Validation(m) | RouterError::InvalidJson(m) | RouterError::Unsupported(m)) = self else {
+        let (RouterError::Validation(m)
+        | RouterError::InvalidJson(m)
+        | RouterError::Unsupported(m)
+        | RouterError::NotFound(m)) = self
+        else {
             return None;
         };
         let rest = m.split_once('`')?.1;

@@ -312,6 +312,15 @@ impl Infer {
         }
         self.placer.place(entries)?;
         RouterState::add(&self.state.requests_total, 1);
+        if let Some(adapter) = &request.adapter {
+            *self
+                .state
+                .lora_requests
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .entry(adapter.name.clone())
+                .or_default() += 1;
+        }
         let input_len = request.input_ids.len() as u64;
         RouterState::add(&self.state.metrics.prompt_tokens_total, input_len);
         self.state.metrics.request_input_tokens.observe(input_len as f64);

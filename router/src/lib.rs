@@ -1,6 +1,7 @@
 //! pagemill router: HTTP/SSE API, validation, continuous batching, paged KV
 //! accounting and the gRPC client to the model shards.
 
+pub mod adapter;
 pub mod batching;
 pub mod chat_template;
 pub mod client;
@@ -13,6 +14,7 @@ pub mod http;
 pub mod infer;
 pub mod kv;
 pub mod kv_events;
+pub mod lora;
 pub mod metrics;
 pub mod proto;
 #[cfg(feature = "python")]
@@ -43,6 +45,7 @@ use crate::groups::Group;
 use crate::http::{AppState, ServerInfo};
 use crate::infer::Infer;
 use crate::kv::KvManager;
+use crate::lora::{LoraLimits, LoraRegistry};
 use crate::proto::pb;
 use crate::scheduler::admission::Budget;
 use crate::scheduler::{AdmissionOrder, SchedulerConfig};
@@ -53,11 +56,15 @@ use crate::validation::{Limits, Validation};
 pub async fn run(config: RouterConfig) -> Result<(), String> {
     config.check()?;
     let tokenizer = load_tokenizer(&config)?;
+    let lora = lora_registry(&config)?;
     let warmup_request = pb::WarmupRequest {
         max_batch_prefill_tokens: config.max_batch_prefill_tokens,
         max_input_tokens: config.max_input_tokens,
         max_total_tokens: config.max_total_tokens,
         max_batch_size: config.max_batch_size,
+        // 0: adapters off; the shard reserves no room for them.
+        max_loras: if config.enable_lora { config.max_loras } else { 0 },
+        max_lora_rank: if config.enable_lora { config.max_lora_rank } else { 0 },
     };
     let groups = groups::connect(&config.groups(), &config.shard_auth()?, &warmup_request).await?;
     let shard_info = groups[0].info.clone();
@@ -88,8 +95,23 @@ pub async fn run(config: RouterConfig) -> Result<(), String> {
         tracing::warn!("chat completions unavailable: {e}");
     }
     let info = server_info(&config, &pool, &shard_info, clients[0].num_shards() as u32, chat_template.is_ok());
-    let app = app_state(&config, infer, info, state, clients, chat_template);
+    let app = app_state(&config, infer, info, state, clients, chat_template, lora);
     serve::serve(app, &config, scheduler_tasks).await
+}
+
+/// The `--lora-modules` adapters checked and registered before any shard is
+/// asked for room: a directory that cannot be served fails the launch.
+fn lora_registry(config: &RouterConfig) -> Result<Arc<LoraRegistry>, String> {
+    let limits =
+        LoraLimits { enabled: config.enable_lora, max_loras: config.max_loras, max_rank: config.max_lora_rank };
+    // The base model's name as the API reports it; the shard's model id is not known yet,
+    // so an empty --model-id falls back to the directory's name.
+    let base = if config.model_id.is_empty() {
+        config.tokenizer_dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default()
+    } else {
+        config.model_id.clone()
+    };
+    Ok(Arc::new(LoraRegistry::new(limits, &base, &config.lora_modules)?))
 }
 
 fn load_tokenizer(config: &RouterConfig) -> Result<Arc<Tokenizer>, String> {
@@ -160,6 +182,7 @@ fn scheduler_config(config: &RouterConfig, pool: &PoolSize, shard_info: &pb::Inf
         max_num_batched_tokens: config.max_num_batched_tokens,
         priority_aging: (config.priority_aging_ms > 0).then(|| Duration::from_millis(config.priority_aging_ms)),
         max_running_per_tenant: (config.max_running_per_tenant > 0).then_some(config.max_running_per_tenant),
+        max_loras: config.max_loras,
         sliding_window: shard_info.sliding_window,
         schedule_ahead_from: match (config.schedule_ahead, config.no_schedule_ahead) {
             (_, true) => 0,
@@ -232,6 +255,7 @@ fn app_state(
     state: Arc<RouterState>,
     clients: Vec<ShardedClient>,
     chat_template: LoadedTemplate,
+    lora: Arc<LoraRegistry>,
 ) -> AppState {
     let tool_format = config.tool_call_parser.unwrap_or_else(|| {
         chat_template.as_ref().map_or(tools::ToolCallParser::Hermes, |t| tools::ToolCallParser::detect(&t.source))
@@ -246,5 +270,6 @@ fn app_state(
         tool_format,
         reasoning_parser: config.reasoning_parser,
         started_unix: http::response_meta::unix_now(),
+        lora,
     }
 }

@@ -110,6 +110,7 @@ mod tests {
             grammar: None,
             priority: 0,
             tenant: None,
+            adapter: None,
         };
         let e =
             Entry { id: 0, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: deadline, group: None };

@@ -7,6 +7,7 @@
 use serde::{Deserialize, Deserializer};
 use utoipa::ToSchema;
 
+use crate::adapter::AdapterRef;
 use crate::grammar::GrammarParam;
 use crate::proto::pb;
 
@@ -61,9 +62,14 @@ pub struct GenerateParameters {
     /// Extension: who the request is for (OpenAI's `user`); with
     /// `--max-running-per-tenant`, caps that tenant's running requests.
     pub user: Option<String>,
+    /// The LoRA adapter to generate with, by name (TGI's `adapter_id`); unset: the base model.
+    pub adapter_id: Option<String>,
     /// Set by the OpenAI routes only (vLLM's extra fields); not part of TGI's API.
     #[serde(skip)]
     pub extras: SamplingExtras,
+    /// The adapter each route resolved from its own field (`model`, `adapter_id`).
+    #[serde(skip)]
+    pub adapter: Option<AdapterRef>,
 }
 
 /// Controls the OpenAI routes accept and TGI's `parameters` do not.
@@ -123,4 +129,6 @@ pub struct ValidRequest {
     pub priority: i32,
     /// Who sent it (`user`), for the per-tenant cap; None: not capped.
     pub tenant: Option<String>,
+    /// The LoRA adapter it runs with; None: the base model.
+    pub adapter: Option<AdapterRef>,
 }

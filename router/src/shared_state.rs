@@ -65,6 +65,12 @@ pub struct RouterState {
     /// One entry per data-parallel shard group (`--data-parallel`); the
     /// gauges above are their sums, the counters their totals.
     pub groups: Vec<std::sync::Arc<GroupStats>>,
+    /// LoRA adapters by name: those with sequences running, and those with
+    /// sequences waiting, over every group (sorted).
+    pub lora_running: std::sync::Mutex<Vec<String>>,
+    pub lora_waiting: std::sync::Mutex<Vec<String>>,
+    /// Requests accepted per adapter name.
+    pub lora_requests: std::sync::Mutex<std::collections::BTreeMap<String, u64>>,
 }
 
 /// One shard group's live figures, written by its batching loop (and the
@@ -93,6 +99,9 @@ pub struct GroupStats {
     pub prefill_tokens_total: AtomicU64,
     pub prefix_hit_tokens_total: AtomicU64,
     pub generated_tokens_total: AtomicU64,
+    /// Names of the adapters this group's running / queued sequences use (sorted).
+    pub lora_running: std::sync::Mutex<Vec<String>>,
+    pub lora_waiting: std::sync::Mutex<Vec<String>>,
 }
 
 impl GroupStats {

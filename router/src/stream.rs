@@ -266,6 +266,7 @@ mod tests {
             grammar: None,
             priority: 0,
             tenant: None,
+            adapter: None,
         }
     }
 

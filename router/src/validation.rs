@@ -147,6 +147,7 @@ impl Validation {
             grammar,
             priority,
             tenant: p.user.filter(|u| !u.is_empty()),
+            adapter: p.adapter,
         })
     }
 

@@ -153,6 +153,8 @@ def add_router_options(p: argparse.ArgumentParser, table: list[dict], *, launche
         kw: dict[str, Any] = dict(row=row, help=help.replace("%", "%%"))
         if row["kind"] == "flag":
             kw["nargs"] = 0
+        elif row["kind"] == "many":
+            kw.update(nargs="+", metavar=row["value_name"])
         else:
             kw.update(metavar=row["value_name"], choices=row["choices"] or None)
         group.add_argument("--" + row["flag"], action=_RouterOption, **kw)
@@ -162,7 +164,13 @@ def router_argv(given: list[tuple[dict, str | None]]) -> list[str]:
     """The given router options as flags for the router."""
     argv: list[str] = []
     for row, value in given:
-        argv += [f"--{row['flag']}"] if value is None else flag_value(f"--{row['flag']}", value)
+        if value is None:
+            argv.append(f"--{row['flag']}")
+        elif isinstance(value, list):  # kind "many": one flag before each value, as the router reads it too
+            for v in value:
+                argv += flag_value(f"--{row['flag']}", v)
+        else:
+            argv += flag_value(f"--{row['flag']}", value)
     return argv
 
 

@@ -2,9 +2,12 @@
 //! gauges after each step, the router-wide sums over the groups, and the
 //! second tier's counters of each reply.
 
+use std::collections::BTreeSet;
+
 use super::run::BatchingLoop;
 use crate::kv::KvEvent;
 use crate::proto::pb;
+use crate::scheduler::Sequence;
 use crate::shared_state::{GroupStats, RouterState};
 
 impl BatchingLoop {
@@ -49,6 +52,8 @@ impl BatchingLoop {
         let running: u64 = self.state.running.iter().map(|s| s.tokens.len() as u64).sum();
         RouterState::set(&g.queued_tokens, queued);
         RouterState::set(&g.running_tokens, running);
+        *g.lora_running.lock().unwrap_or_else(|e| e.into_inner()) = adapter_names(self.state.running.iter());
+        *g.lora_waiting.lock().unwrap_or_else(|e| e.into_inner()) = adapter_names(self.state.queue.iter());
         publish_totals(&self.router, g);
         // The second tier's gauges are the router's (one tier per directory, not per group).
         if let Some(t) = self.state.kv.tier_stats() {
@@ -85,4 +90,19 @@ fn publish_totals(st: &RouterState, only: &GroupStats) {
         }
     }
     *st.queue_by_priority.lock().unwrap_or_else(|e| e.into_inner()) = by.into_iter().collect();
+    let union = |f: fn(&GroupStats) -> &std::sync::Mutex<Vec<String>>| {
+        let mut names: Vec<String> =
+            groups.iter().flat_map(|g| f(g).lock().unwrap_or_else(|e| e.into_inner()).clone()).collect();
+        names.sort();
+        names.dedup();
+        names
+    };
+    *st.lora_running.lock().unwrap_or_else(|e| e.into_inner()) = union(|g| &g.lora_running);
+    *st.lora_waiting.lock().unwrap_or_else(|e| e.into_inner()) = union(|g| &g.lora_waiting);
+}
+
+/// The distinct adapter names of `seqs`, sorted.
+fn adapter_names<'a>(seqs: impl Iterator<Item = &'a Sequence>) -> Vec<String> {
+    let names: BTreeSet<&str> = seqs.filter_map(|s| s.adapter()).map(|a| a.name.as_str()).collect();
+    names.into_iter().map(str::to_string).collect()
 }

@@ -344,6 +344,7 @@ mod tests {
             max_num_batched_tokens: None,
             priority_aging: None,
             max_running_per_tenant: None,
+            max_loras: 4,
             sliding_window: 0,
             schedule_ahead_from: 1,
         }

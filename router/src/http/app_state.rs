@@ -72,4 +72,6 @@ pub struct AppState {
     pub reasoning_parser: Option<crate::reasoning::ReasoningParser>,
     /// For `/v1/models`' `created`.
     pub started_unix: u64,
+    /// The LoRA adapters served, by name.
+    pub lora: Arc<crate::lora::LoraRegistry>,
 }

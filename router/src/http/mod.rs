@@ -37,7 +37,9 @@ pub fn router(app: AppState, payload_limit: usize) -> Router {
         .route("/v1/completions/render", post(openai::render::render_completion))
         .route("/v1/chat/completions/render", post(openai::render::render_chat))
         .route("/v1/responses", post(responses::responses))
-        .route("/v1/models", get(openai::models))
+        .route("/v1/models", get(openai::adapters::models))
+        .route("/v1/load_lora_adapter", post(openai::adapters::load_lora_adapter))
+        .route("/v1/unload_lora_adapter", post(openai::adapters::unload_lora_adapter))
         .route_layer(middleware::from_fn_with_state(app.clone(), auth::require_api_key))
         // Outside auth, so a 401 has OpenAI's shape too.
         .route_layer(middleware::from_fn(crate::error::openai_errors));

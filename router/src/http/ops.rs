@@ -125,6 +125,7 @@ pub async fn metrics(State(app): State<AppState>) -> impl IntoResponse {
         num_gpu_blocks: info.kv_blocks,
         cache_dtype: info.kv_cache_dtype.clone(),
         prefix_caching: info.prefix_caching,
+        max_lora: if app.lora.limits().enabled { app.lora.limits().max_loras } else { 0 },
     };
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], crate::metrics::render(&app.state, &facts))
 }
@@ -178,6 +179,7 @@ mod tests {
             tool_format: crate::tools::ToolCallParser::Hermes,
             reasoning_parser: None,
             started_unix: 0,
+            lora: Arc::new(crate::lora::LoraRegistry::disabled("m")),
         }
     }
 

@@ -6,6 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::AppState;
+use crate::adapter::AdapterRef;
 
 /// What every response and chunk of one request repeats.
 #[derive(Debug, Clone)]
@@ -29,6 +30,16 @@ impl ResponseMeta {
             model: app.info.model_id.clone(),
             system_fingerprint: format!("pagemill-{}-{}", app.info.version, app.info.model_dtype),
         }
+    }
+}
+
+impl ResponseMeta {
+    /// The model a request ran on is reported as the adapter's name when it used one.
+    pub fn serving(mut self, adapter: Option<&AdapterRef>) -> Self {
+        if let Some(a) = adapter {
+            self.model = a.name.clone();
+        }
+        self
     }
 }
 

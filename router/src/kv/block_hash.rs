@@ -4,8 +4,11 @@
 //!
 //! ```text
 //! root     = low64(SHA-256(CBOR(seed)))              seed: a text string ("" here)
-//! block(i) = low64(SHA-256(CBOR([parent, [token ids of block i], null])))
+//! block(i) = low64(SHA-256(CBOR([parent, [token ids of block i], extra])))
 //! ```
+//!
+//! `extra` is null for the base model and `[adapter name]` for a LoRA
+//! adapter's blocks, as vLLM writes a request's extra keys.
 //!
 //! `parent` is block(i-1), or `root` for the first block; `low64` is the last
 //! eight bytes of the digest read big-endian; CBOR is canonical (shortest
@@ -52,8 +55,9 @@ pub fn root_hash(seed: &str) -> u64 {
     low64(&cbor)
 }
 
-/// The hash of a block of `tokens` whose prefix hashes to `parent`.
-pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
+/// The hash of a block of `tokens` whose prefix hashes to `parent`, computed
+/// by the base model (`lora: None`) or with the adapter of that name.
+pub fn block_hash(parent: u64, tokens: &[u32], lora: Option<&str>) -> u64 {
     let mut cbor = Vec::with_capacity(16 + tokens.len() * 5);
     head(&mut cbor, 4, 3);
     head(&mut cbor, 0, parent);
@@ -61,17 +65,25 @@ pub fn block_hash(parent: u64, tokens: &[u32]) -> u64 {
     for &t in tokens {
         head(&mut cbor, 0, t as u64);
     }
-    cbor.push(0xf6); // null: no extra keys (no adapter, no multimodal input)
+    match lora {
+        // null: no extra keys (no adapter, no multimodal input)
+        None => cbor.push(0xf6),
+        Some(name) => {
+            head(&mut cbor, 4, 1);
+            head(&mut cbor, 3, name.len() as u64);
+            cbor.extend_from_slice(name.as_bytes());
+        }
+    }
     low64(&cbor)
 }
 
 /// Hashes of the full blocks of `tokens`, chained from `root_hash(HASH_SEED)`.
-pub fn chain(tokens: &[u32], block_size: usize) -> Vec<u64> {
+pub fn chain(tokens: &[u32], block_size: usize, lora: Option<&str>) -> Vec<u64> {
     let mut parent = root_hash(HASH_SEED);
     tokens
         .chunks_exact(block_size)
         .map(|chunk| {
-            parent = block_hash(parent, chunk);
+            parent = block_hash(parent, chunk, lora);
             parent
         })
         .collect()
@@ -105,17 +117,32 @@ mod tests {
         let mut cbor = vec![0x83, 0x1b];
         cbor.extend_from_slice(&root.to_be_bytes());
         cbor.extend_from_slice(&[0x82, 0x01, 0x19, 0x01, 0x2c, 0xf6]);
-        assert_eq!(block_hash(root, &[1, 300]), low64(&cbor));
+        assert_eq!(block_hash(root, &[1, 300], None), low64(&cbor));
+        // With an adapter: [root, [1], ["sql"]].
+        let mut cbor = vec![0x83, 0x1b];
+        cbor.extend_from_slice(&root.to_be_bytes());
+        cbor.extend_from_slice(&[0x81, 0x01, 0x81, 0x63, b's', b'q', b'l']);
+        assert_eq!(block_hash(root, &[1], Some("sql")), low64(&cbor));
+    }
+
+    #[test]
+    fn adapters_name_the_same_tokens_apart() {
+        let base = chain(&[1, 2, 3, 4], 2, None);
+        let a = chain(&[1, 2, 3, 4], 2, Some("a"));
+        let b = chain(&[1, 2, 3, 4], 2, Some("b"));
+        for i in 0..2 {
+            assert!(base[i] != a[i] && a[i] != b[i] && base[i] != b[i]);
+        }
     }
 
     #[test]
     fn a_block_hash_names_its_whole_prefix() {
-        let a = chain(&[1, 2, 3, 4, 5, 6], 2);
-        let b = chain(&[9, 2, 3, 4, 5, 6], 2);
+        let a = chain(&[1, 2, 3, 4, 5, 6], 2, None);
+        let b = chain(&[9, 2, 3, 4, 5, 6], 2, None);
         assert_eq!(a.len(), 3);
         assert!(a.iter().zip(&b).all(|(x, y)| x != y));
-        assert_eq!(chain(&[1, 2, 3, 4, 5], 2), a[..2].to_vec());
-        assert_eq!(a[1], block_hash(a[0], &[3, 4]));
+        assert_eq!(chain(&[1, 2, 3, 4, 5], 2, None), a[..2].to_vec());
+        assert_eq!(a[1], block_hash(a[0], &[3, 4], None));
         assert_ne!(root_hash("1"), root_hash(""));
     }
 }

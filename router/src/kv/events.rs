@@ -26,13 +26,34 @@ impl Medium {
     }
 }
 
+/// The LoRA adapter whose KV blocks hold, as events name it (vLLM's
+/// `lora_id` and `lora_name`); None where blocks are the base model's.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LoraTag {
+    pub id: u32,
+    pub name: std::sync::Arc<str>,
+}
+
+impl LoraTag {
+    pub fn of(adapter: Option<&crate::adapter::Adapter>) -> Option<Self> {
+        adapter.map(|a| Self { id: a.id, name: a.name.as_str().into() })
+    }
+}
+
 /// One change of what a pool or tier holds. Hashes are `block_hash.rs`'s.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
     /// Full blocks now held, a chain: `hashes[i]`'s parent is `hashes[i-1]`,
     /// the first's is `parent` (None: the first block of a prompt);
-    /// `tokens` are theirs, `block_size` per block.
-    Stored { hashes: Vec<u64>, parent: Option<u64>, tokens: Vec<u32>, block_size: u32, medium: Medium },
+    /// `tokens` are theirs, `block_size` per block; computed with `lora`.
+    Stored {
+        hashes: Vec<u64>,
+        parent: Option<u64>,
+        tokens: Vec<u32>,
+        block_size: u32,
+        medium: Medium,
+        lora: Option<LoraTag>,
+    },
     /// Blocks no longer held.
     Removed { hashes: Vec<u64>, medium: Medium },
     /// Everything the pool held is gone (its shards came back with a fresh one).

@@ -6,11 +6,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use super::block_allocator::BlockAllocator;
 use super::blocks::KvBlocks;
-use super::events::{EventLog, KvEvent, Medium};
+use super::events::{EventLog, KvEvent, LoraTag, Medium};
 use super::pool::Pool;
 use super::radix::RadixCache;
 use super::tier_index::Key;
 use super::tier_ops::{SecondTier, TierConfig, TierCosts, TierOps, TierStats};
+use crate::adapter::Adapter;
 
 /// Cheap to clone: every clone is a handle on the same cache. A panic while
 /// the lock is held cannot leave the pool half-updated in a way later
@@ -138,22 +139,24 @@ impl KvManager {
         (tokens.len().saturating_sub(1) / self.block_size as usize) as usize
     }
 
-    /// Length in blocks of the cached prefix of `tokens`, without taking it.
-    pub fn peek_prefix(&self, tokens: &[u32]) -> u32 {
+    /// Length in blocks of the cached prefix of `tokens` computed with
+    /// `adapter` (None: the base model), without taking it.
+    pub fn peek_prefix(&self, adapter: Option<&Adapter>, tokens: &[u32]) -> u32 {
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         if !g.prefix_caching {
             return 0;
         }
         let max = self.max_cached_blocks(tokens);
-        g.radix.match_prefix(tokens, max, false).len() as u32
+        g.radix.match_prefix(adapter, tokens, max, false).len() as u32
     }
 
-    /// A block table starting with the cached prefix of `tokens` (retained).
-    pub fn acquire_prefix(&self, tokens: &[u32]) -> KvBlocks {
+    /// A block table starting with the cached prefix of `tokens` under
+    /// `adapter` (retained).
+    pub fn acquire_prefix(&self, adapter: Option<&Adapter>, tokens: &[u32]) -> KvBlocks {
         let mut g = self.inner.lock().unwrap_or_else(PoisonError::into_inner);
         let ids = if g.prefix_caching {
             let max = self.max_cached_blocks(tokens);
-            g.radix.match_prefix(tokens, max, true)
+            g.radix.match_prefix(adapter, tokens, max, true)
         } else {
             Vec::new()
         };
@@ -172,7 +175,8 @@ impl KvManager {
     /// Indexes the full blocks of `tokens` (whose KV the shard has computed)
     /// so later requests can reuse them. A table that gave blocks back behind
     /// a sliding window has no complete prefix left to index: nothing is.
-    pub fn commit(&self, blocks: &KvBlocks, tokens: &[u32]) {
+    /// `adapter`: what computed them (None: the base model).
+    pub fn commit(&self, adapter: Option<&Adapter>, blocks: &KvBlocks, tokens: &[u32]) {
         let mut guard = self.lock();
         let g = &mut *guard;
         if !g.prefix_caching || blocks.dropped > 0 {
@@ -180,7 +184,7 @@ impl KvManager {
         }
         let bs = self.block_size as usize;
         let n = (tokens.len() / bs).min(blocks.ids.len());
-        let added = g.radix.insert(&tokens[..n * bs], &blocks.ids[..n]);
+        let added = g.radix.insert(adapter, &tokens[..n * bs], &blocks.ids[..n]);
         let Some(first) = blocks.ids[..n].iter().position(|b| added.first() == Some(b)) else { return };
         for &id in &added {
             // The tree's own reference keeps the block after its sequences end.
@@ -196,24 +200,25 @@ impl KvManager {
                 tokens: tokens[stored.start * bs..stored.end * bs].to_vec(),
                 block_size: self.block_size,
                 medium: Medium::Device,
+                lora: LoraTag::of(adapter),
             });
         }
         if let Some(tier) = g.tier.as_mut() {
             // Write-through: what the tree indexes is saved once, so an
             // eviction drops nothing the tier lacks and a restart finds it.
-            tier.commit(&tokens[..n * bs], &blocks.ids[..n], stored, &named, &mut g.events);
+            tier.commit(adapter, &tokens[..n * bs], &blocks.ids[..n], stored, &named, &mut g.events);
         }
     }
 
     /// Keys of the full blocks of `tokens` from block `from` on that the
     /// second tier holds (consecutive, at most the cacheable blocks), when
     /// loading them is cheaper than computing them; empty otherwise.
-    pub fn tier_hits(&self, tokens: &[u32], from: usize) -> Vec<Key> {
+    pub fn tier_hits(&self, adapter: Option<&Adapter>, tokens: &[u32], from: usize) -> Vec<Key> {
         let max = self.max_cached_blocks(tokens);
         let mut g = self.lock();
         let caching = g.prefix_caching;
         match g.tier.as_mut() {
-            Some(t) if caching && from < max => t.hits(tokens, from, max),
+            Some(t) if caching && from < max => t.hits(adapter, tokens, from, max),
             _ => Vec::new(),
         }
     }

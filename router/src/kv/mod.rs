@@ -14,13 +14,15 @@ mod tests;
 #[cfg(test)]
 mod tests_events;
 #[cfg(test)]
+mod tests_lora;
+#[cfg(test)]
 mod tests_tier;
 pub mod tier_index;
 pub mod tier_ops;
 
 pub use block_allocator::BlockAllocator;
 pub use blocks::KvBlocks;
-pub use events::{KvEvent, Medium};
+pub use events::{KvEvent, LoraTag, Medium};
 pub use lifetime::{lifetime_blocks, too_large};
 pub use manager::{KvManager, KvStats};
 pub use radix::RadixCache;

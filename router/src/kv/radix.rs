@@ -4,12 +4,22 @@
 //! tree when a block becomes unused (evictable) or used again. Each node also
 //! keeps its block's content hash (block_hash.rs), chained from its parent's,
 //! which is how KV-cache events name it.
+//!
+//! KV computed with a LoRA adapter is not the base model's: each adapter
+//! registration (its id) has a root of its own, made on first use and
+//! dropped with its last block, so the same tokens under two adapters (or an
+//! adapter and the base) never share a block.
 
 use std::collections::{BTreeSet, HashMap};
 
 use super::block_hash::{block_hash, root_hash, HASH_SEED};
+use super::events::LoraTag;
+use crate::adapter::Adapter;
 
+/// The base model's root; adapters' roots are made as needed.
 const ROOT: usize = 0;
+/// A root's block: it stands for the empty prefix, no block.
+const NO_BLOCK: u32 = u32::MAX;
 
 #[derive(Debug)]
 struct Node {
@@ -22,6 +32,8 @@ struct Node {
     last_access: u64,
     /// Only the tree holds the block (no running sequence uses it).
     unused: bool,
+    /// The adapter the KV was computed with (None: the base model).
+    lora: Option<LoraTag>,
 }
 
 #[derive(Debug)]
@@ -30,6 +42,8 @@ pub struct RadixCache {
     nodes: Vec<Option<Node>>,
     vacant: Vec<usize>,
     by_block: HashMap<u32, usize>,
+    /// The root of each adapter id with blocks in the tree (0, the base, is ROOT).
+    roots: HashMap<u32, usize>,
     /// Evictable nodes: unused leaves, oldest first.
     lru: BTreeSet<(u64, usize)>,
     /// Nodes only the tree holds. Sequences hold whole prefixes from the root,
@@ -47,28 +61,43 @@ pub struct Evicted {
     /// Hash of the block before it (None: it was a prompt's first block).
     pub parent: Option<u64>,
     pub tokens: Box<[u32]>,
+    pub lora: Option<LoraTag>,
 }
 
 impl RadixCache {
     pub fn new(block_size: u32) -> Self {
-        let root = Node {
-            block: u32::MAX,
+        Self {
+            block_size: block_size as usize,
+            nodes: vec![Some(Self::root_node(None))],
+            vacant: Vec::new(),
+            by_block: HashMap::new(),
+            roots: HashMap::from([(0, ROOT)]),
+            lru: BTreeSet::new(),
+            unused_count: 0,
+            tick: 0,
+        }
+    }
+
+    fn root_node(lora: Option<LoraTag>) -> Node {
+        Node {
+            block: NO_BLOCK,
             hash: root_hash(HASH_SEED),
             parent: ROOT,
             key: Box::new([]),
             children: HashMap::new(),
             last_access: 0,
             unused: false,
-        };
-        Self {
-            block_size: block_size as usize,
-            nodes: vec![Some(root)],
-            vacant: Vec::new(),
-            by_block: HashMap::new(),
-            lru: BTreeSet::new(),
-            unused_count: 0,
-            tick: 0,
+            lora,
         }
+    }
+
+    fn is_root(&self, id: usize) -> bool {
+        self.node(id).block == NO_BLOCK
+    }
+
+    /// The root of `adapter`'s blocks, if it has any.
+    fn root_of(&self, adapter: Option<&Adapter>) -> Option<usize> {
+        self.roots.get(&adapter.map_or(0, |a| a.id)).copied()
     }
 
     fn node(&self, id: usize) -> &Node {
@@ -94,11 +123,18 @@ impl RadixCache {
 
     /// Blocks of the longest cached prefix of `tokens`, at most `max_blocks`.
     /// With `touch`, the matched nodes become the most recently used.
-    pub fn match_prefix(&mut self, tokens: &[u32], max_blocks: usize, touch: bool) -> Vec<u32> {
+    /// `adapter`: whose KV (None: the base model's).
+    pub fn match_prefix(
+        &mut self,
+        adapter: Option<&Adapter>,
+        tokens: &[u32],
+        max_blocks: usize,
+        touch: bool,
+    ) -> Vec<u32> {
         self.tick += 1;
         let tick = self.tick;
-        let mut at = ROOT;
         let mut blocks = Vec::new();
+        let Some(mut at) = self.root_of(adapter) else { return blocks };
         for chunk in tokens.chunks_exact(self.block_size).take(max_blocks) {
             let Some(&child) = self.node(at).children.get(chunk) else {
                 break;
@@ -124,10 +160,17 @@ impl RadixCache {
     /// Returns the blocks newly added; the caller gives the tree a reference
     /// to each. Stops at the first block whose prefix the tree already maps to
     /// another block (that copy stays private to its sequence).
-    pub fn insert(&mut self, tokens: &[u32], blocks: &[u32]) -> Vec<u32> {
+    pub fn insert(&mut self, adapter: Option<&Adapter>, tokens: &[u32], blocks: &[u32]) -> Vec<u32> {
         self.tick += 1;
         let tick = self.tick;
-        let mut at = ROOT;
+        let mut at = match self.root_of(adapter) {
+            Some(root) => root,
+            None => {
+                let root = self.new_node(Self::root_node(LoraTag::of(adapter)));
+                self.roots.insert(adapter.map_or(0, |a| a.id), root);
+                root
+            }
+        };
         let mut added = Vec::new();
         for (chunk, &block) in tokens.chunks_exact(self.block_size).zip(blocks) {
             if let Some(&child) = self.node(at).children.get(chunk) {
@@ -142,14 +185,16 @@ impl RadixCache {
                 // The block is indexed under another prefix: never index it twice.
                 break;
             }
+            let lora = self.node(at).lora.clone();
             let id = self.new_node(Node {
                 block,
-                hash: block_hash(self.node(at).hash, chunk),
+                hash: block_hash(self.node(at).hash, chunk, lora.as_ref().map(|l| &*l.name)),
                 parent: at,
                 key: chunk.into(),
                 children: HashMap::new(),
                 last_access: tick,
                 unused: false,
+                lora,
             });
             // The parent is no longer a leaf.
             let p = self.node(at);
@@ -159,7 +204,20 @@ impl RadixCache {
             added.push(block);
             at = id;
         }
+        self.drop_root_if_empty(adapter);
         added
+    }
+
+    /// An adapter's root with no block under it is removed.
+    fn drop_root_if_empty(&mut self, adapter: Option<&Adapter>) {
+        let Some(a) = adapter else { return };
+        if let Some(root) = self.roots.get(&a.id).copied() {
+            if self.node(root).children.is_empty() {
+                self.roots.remove(&a.id);
+                self.nodes[root] = None;
+                self.vacant.push(root);
+            }
+        }
     }
 
     fn new_node(&mut self, n: Node) -> usize {
@@ -200,7 +258,7 @@ impl RadixCache {
     /// it (None at a prompt's first block).
     pub fn hash_of(&self, block: u32) -> Option<(u64, Option<u64>)> {
         let n = self.node(*self.by_block.get(&block)?);
-        Some((n.hash, (n.parent != ROOT).then(|| self.node(n.parent).hash)))
+        Some((n.hash, (!self.is_root(n.parent)).then(|| self.node(n.parent).hash)))
     }
 
     /// Removes the least recently used unused leaf; returns it (its block's
@@ -214,18 +272,30 @@ impl RadixCache {
         let parent = n.parent;
         self.node_mut(parent).children.remove(&n.key);
         let p = self.node(parent);
-        let parent_hash = (parent != ROOT).then_some(p.hash);
-        if parent != ROOT && p.children.is_empty() && p.unused {
-            self.lru.insert((p.last_access, parent));
+        let at_root = self.is_root(parent);
+        let parent_hash = (!at_root).then_some(p.hash);
+        let (childless, unused, last_access) = (p.children.is_empty(), p.unused, p.last_access);
+        let root_id = p.lora.as_ref().map_or(0, |l| l.id);
+        if !at_root && childless && unused {
+            self.lru.insert((last_access, parent));
         }
-        Some(Evicted { block: n.block, hash: n.hash, parent: parent_hash, tokens: n.key })
+        if at_root && parent != ROOT && childless {
+            // An adapter's last block: its root goes too.
+            let id = root_id;
+            if self.roots.get(&id) == Some(&parent) {
+                self.roots.remove(&id);
+                self.nodes[parent] = None;
+                self.vacant.push(parent);
+            }
+        }
+        Some(Evicted { block: n.block, hash: n.hash, parent: parent_hash, tokens: n.key, lora: n.lora })
     }
 
     /// Token ids of the prefix that ends with `block` (for checks and tests).
     pub fn prefix_of(&self, block: u32) -> Option<Vec<u32>> {
         let mut id = *self.by_block.get(&block)?;
         let mut parts = Vec::new();
-        while id != ROOT {
+        while !self.is_root(id) {
             let n = self.node(id);
             parts.push(n.key.clone());
             id = n.parent;

@@ -119,7 +119,7 @@ proptest! {
             match op {
                 Op::Admit { pat, len } => {
                     let tokens = prompt(pat, len);
-                    let mut blocks = kv.acquire_prefix(&tokens);
+                    let mut blocks = kv.acquire_prefix(None, &tokens);
                     let cached = blocks.len() as usize * BS as usize;
                     prop_assert!(cached < tokens.len(), "at least one token is computed");
                     if blocks.ensure_capacity(tokens.len() as u32) {
@@ -142,14 +142,14 @@ proptest! {
                 }
                 Op::Commit { seq } if !seqs.is_empty() => {
                     let s = &seqs[seq % seqs.len()];
-                    kv.commit(&s.blocks, &s.tokens);
+                    kv.commit(None, &s.blocks, &s.tokens);
                 }
                 Op::Finish { seq } if !seqs.is_empty() => {
                     seqs.swap_remove(seq % seqs.len());
                 }
                 Op::Preempt { seq } if !seqs.is_empty() => {
                     let s = seqs.swap_remove(seq % seqs.len());
-                    kv.commit(&s.blocks, &s.tokens);
+                    kv.commit(None, &s.blocks, &s.tokens);
                     drop(s);
                 }
                 Op::Pressure { n } => {
@@ -180,12 +180,12 @@ proptest! {
 fn shared_prefix_is_reused_and_evicted_lru() {
     let kv = KvManager::new(9, BS, true);
     let a: Vec<u32> = (0..9).collect();
-    let mut s = kv.acquire_prefix(&a);
+    let mut s = kv.acquire_prefix(None, &a);
     assert!(s.is_empty());
     assert!(s.ensure_capacity(9));
-    kv.commit(&s, &a);
+    kv.commit(None, &s, &a);
     assert_eq!(kv.stats().cached, 2);
-    let b = kv.acquire_prefix(&a);
+    let b = kv.acquire_prefix(None, &a);
     assert_eq!(b.ids(), &s.ids()[..2]);
     drop(b);
     drop(s);
@@ -200,20 +200,20 @@ fn shared_prefix_is_reused_and_evicted_lru() {
 fn disabled_prefix_caching_caches_nothing() {
     let kv = KvManager::new(9, BS, false);
     let a: Vec<u32> = (0..9).collect();
-    let mut s = kv.acquire_prefix(&a);
+    let mut s = kv.acquire_prefix(None, &a);
     s.ensure_capacity(9);
-    kv.commit(&s, &a);
+    kv.commit(None, &s, &a);
     assert_eq!(kv.stats().cached, 0);
-    assert_eq!(kv.peek_prefix(&a), 0);
+    assert_eq!(kv.peek_prefix(None, &a), 0);
 }
 
 #[test]
 fn at_least_one_token_is_left_to_compute() {
     let kv = KvManager::new(9, BS, true);
     let a: Vec<u32> = (0..8).collect();
-    let mut s = kv.acquire_prefix(&a);
+    let mut s = kv.acquire_prefix(None, &a);
     s.ensure_capacity(8);
-    kv.commit(&s, &a);
+    kv.commit(None, &s, &a);
     // 8 tokens = 2 full blocks cached, but a repeat may take only one.
-    assert_eq!(kv.acquire_prefix(&a).len(), 1);
+    assert_eq!(kv.acquire_prefix(None, &a).len(), 1);
 }

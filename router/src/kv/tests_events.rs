@@ -40,7 +40,7 @@ struct Subscriber {
 impl Subscriber {
     fn apply(&mut self, e: KvEvent) -> Result<(), TestCaseError> {
         match e {
-            KvEvent::Stored { hashes, parent, tokens, block_size, medium } => {
+            KvEvent::Stored { hashes, parent, tokens, block_size, medium, lora } => {
                 prop_assert_eq!(tokens.len(), hashes.len() * block_size as usize);
                 let mut prev = parent;
                 for (h, chunk) in hashes.iter().zip(tokens.chunks(block_size as usize)) {
@@ -51,7 +51,7 @@ impl Subscriber {
                     }
                     prop_assert_eq!(
                         *h,
-                        block_hash(prev.unwrap_or(root_hash(HASH_SEED)), chunk),
+                        block_hash(prev.unwrap_or(root_hash(HASH_SEED)), chunk, lora.as_ref().map(|l| &*l.name)),
                         "hash chains by parent"
                     );
                     prop_assert!(self.held.insert((medium, *h), prev).is_none(), "{} stored twice", h);
@@ -82,14 +82,14 @@ fn run(kv: &KvManager, ops: Vec<Op>, pool: u32) -> Result<Subscriber, TestCaseEr
         match op {
             Op::Admit { pat, len } => {
                 let tokens = prompt(pat, len);
-                let mut blocks = kv.acquire_prefix(&tokens);
+                let mut blocks = kv.acquire_prefix(None, &tokens);
                 if blocks.ensure_capacity(tokens.len() as u32) {
                     seqs.push((tokens, blocks));
                 }
             }
             Op::Commit { seq } if !seqs.is_empty() => {
                 let (t, b) = &seqs[seq % seqs.len()];
-                kv.commit(b, t);
+                kv.commit(None, b, t);
             }
             Op::Finish { seq } if !seqs.is_empty() => drop(seqs.swap_remove(seq % seqs.len())),
             Op::Pressure { n } => drop(kv.allocate(n as u32)),
@@ -131,10 +131,10 @@ proptest! {
 fn nothing_is_recorded_unless_asked() {
     let kv = KvManager::new(16, BS, true);
     let tokens = prompt(1, 20);
-    let b = kv.acquire_prefix(&tokens);
+    let b = kv.acquire_prefix(None, &tokens);
     let mut b = b;
     assert!(b.ensure_capacity(20));
-    kv.commit(&b, &tokens);
+    kv.commit(None, &b, &tokens);
     assert!(kv.take_events().is_empty());
     assert_eq!(kv.stats().cached, 5);
 }

@@ -86,12 +86,12 @@ proptest! {
             match op {
                 Op::Admit { pat, len } => {
                     let tokens = prompt(pat, len);
-                    let mut blocks = kv.acquire_prefix(&tokens);
+                    let mut blocks = kv.acquire_prefix(None, &tokens);
                     let cached = blocks.len() as usize;
                     if !blocks.ensure_capacity(tokens.len() as u32) {
                         continue;
                     }
-                    let hits = kv.tier_hits(&tokens, cached);
+                    let hits = kv.tier_hits(None, &tokens, cached);
                     // The step: saves first (evictions of this allocation), then loads.
                     run_ops(&kv, &mut store, &content)?;
                     let mut loaded = 0;
@@ -117,7 +117,7 @@ proptest! {
                     }
                     let s = Seq { tokens, blocks };
                     write(&mut content, &s, (cached + loaded) * BS as usize);
-                    kv.commit(&s.blocks, &s.tokens);
+                    kv.commit(None, &s.blocks, &s.tokens);
                     seqs.push(s);
                 }
                 Op::Finish { seq } if !seqs.is_empty() => {
@@ -156,18 +156,18 @@ proptest! {
 fn evicted_prefix_comes_back_from_the_tier() {
     let kv = KvManager::new(6, BS, true).with_tier(tier(64));
     let a: Vec<u32> = (0..9).collect();
-    let mut s = kv.acquire_prefix(&a);
+    let mut s = kv.acquire_prefix(None, &a);
     assert!(s.ensure_capacity(9));
-    kv.commit(&s, &a);
+    kv.commit(None, &s, &a);
     // Write-through: both full blocks are saved once.
     assert_eq!(kv.take_tier_ops().saves.len(), 2);
     drop(s);
     assert!(kv.allocate(5).is_some()); // evicts the cached prefix
     assert_eq!(kv.stats().cached, 0);
     assert!(kv.take_tier_ops().saves.is_empty(), "already in the tier: not saved again");
-    assert_eq!(kv.tier_hits(&a, 0).len(), 2);
-    kv.tier_forget(&kv.tier_hits(&a, 0)[1..]);
-    assert_eq!(kv.tier_hits(&a, 0).len(), 1);
+    assert_eq!(kv.tier_hits(None, &a, 0).len(), 2);
+    kv.tier_forget(&kv.tier_hits(None, &a, 0)[1..]);
+    assert_eq!(kv.tier_hits(None, &a, 0).len(), 1);
 }
 
 #[test]
@@ -178,6 +178,9 @@ fn restart_keys_are_hit_and_budget_holds() {
     let kv = KvManager::new(6, BS, true).with_tier(cfg);
     // Capacity 1: the older key is deleted, the newer one stays.
     assert_eq!(kv.take_tier_ops().deletes, vec![keys[0].clone()]);
-    assert!(kv.tier_hits(&(0..9).collect::<Vec<u32>>(), 0).is_empty(), "hits are consecutive from the first block");
-    assert_eq!(kv.tier_hits(&(0..9).collect::<Vec<u32>>(), 1), vec![keys[1].clone()]);
+    assert!(
+        kv.tier_hits(None, &(0..9).collect::<Vec<u32>>(), 0).is_empty(),
+        "hits are consecutive from the first block"
+    );
+    assert_eq!(kv.tier_hits(None, &(0..9).collect::<Vec<u32>>(), 1), vec![keys[1].clone()]);
 }

@@ -8,9 +8,10 @@
 use std::collections::HashMap;
 use std::ops::Range;
 
-use super::events::{EventLog, KvEvent, Medium};
+use super::events::{EventLog, KvEvent, LoraTag, Medium};
 use super::radix::Evicted;
 use super::tier_index::{chain_keys, Key, TierIndex};
+use crate::adapter::Adapter;
 use crate::proto::pb;
 
 /// Rates the shard measured: the router loads a hit only when that is
@@ -95,11 +96,12 @@ pub struct TierStats {
 }
 
 /// A block as KV-cache events name it: its content hash, its parent's, its tokens.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Named<'a> {
     pub hash: u64,
     pub parent: Option<u64>,
     pub tokens: &'a [u32],
+    pub lora: Option<LoraTag>,
 }
 
 #[derive(Debug)]
@@ -135,8 +137,15 @@ impl SecondTier {
         }
     }
 
-    fn keys(&self, tokens: &[u32], n: usize) -> Vec<Key> {
-        chain_keys(&self.namespace, tokens, self.block_size as usize, n)
+    /// The chain's keys: the base model's under the shard's namespace, an
+    /// adapter's under that namespace and the adapter's fingerprint (its
+    /// files, not its id: the tier outlives the server's ids).
+    fn keys(&self, adapter: Option<&Adapter>, tokens: &[u32], n: usize) -> Vec<Key> {
+        let namespace = match adapter {
+            None => std::borrow::Cow::Borrowed(self.namespace.as_str()),
+            Some(a) => std::borrow::Cow::Owned(format!("{}/lora/{}", self.namespace, a.fingerprint)),
+        };
+        chain_keys(&namespace, tokens, self.block_size as usize, n)
     }
 
     /// `tokens` (full blocks) live in `blocks`; the radix tree just indexed
@@ -144,19 +153,21 @@ impl SecondTier {
     /// Those the tier lacks are saved.
     pub fn commit(
         &mut self,
+        adapter: Option<&Adapter>,
         tokens: &[u32],
         blocks: &[u32],
         added: Range<usize>,
         named: &[(u64, Option<u64>)],
         events: &mut EventLog,
     ) {
-        let keys = self.keys(tokens, added.end);
+        let keys = self.keys(adapter, tokens, added.end);
+        let lora = LoraTag::of(adapter);
         let bs = self.block_size as usize;
         for (i, &(hash, parent)) in added.zip(named) {
             let key = keys[i].clone();
             self.key_of.insert(blocks[i], key.clone());
             let block_tokens = &tokens[i * bs..(i + 1) * bs];
-            self.save(blocks[i], key, Named { hash, parent, tokens: block_tokens }, events);
+            self.save(blocks[i], key, Named { hash, parent, tokens: block_tokens, lora: lora.clone() }, events);
         }
     }
 
@@ -188,6 +199,7 @@ impl SecondTier {
             tokens: named.tokens.to_vec(),
             block_size: self.block_size,
             medium: self.medium,
+            lora: named.lora,
         });
     }
 
@@ -203,14 +215,14 @@ impl SecondTier {
     /// The radix tree dropped a block: saved unless the tier still has it.
     pub fn evicted(&mut self, gone: &Evicted, events: &mut EventLog) {
         if let Some(key) = self.key_of.remove(&gone.block) {
-            let named = Named { hash: gone.hash, parent: gone.parent, tokens: &gone.tokens };
+            let named = Named { hash: gone.hash, parent: gone.parent, tokens: &gone.tokens, lora: gone.lora.clone() };
             self.save(gone.block, key, named, events);
         }
     }
 
     /// Keys of blocks `from..max` of `tokens` the tier holds, consecutive from `from`.
-    pub fn hits(&mut self, tokens: &[u32], from: usize, max: usize) -> Vec<Key> {
-        let keys = self.keys(tokens, max);
+    pub fn hits(&mut self, adapter: Option<&Adapter>, tokens: &[u32], from: usize, max: usize) -> Vec<Key> {
+        let keys = self.keys(adapter, tokens, max);
         let found: Vec<Key> = keys[from..].iter().take_while(|k| self.index.contains(k)).cloned().collect();
         self.stats.miss_blocks += (max - from - found.len()) as u64;
         if !self.costs.load_is_cheaper(self.block_size) {

@@ -6,7 +6,7 @@
 
 use std::collections::{HashMap, HashSet};
 
-use crate::kv::{KvEvent, Medium};
+use crate::kv::{KvEvent, LoraTag, Medium};
 
 type Held = (Medium, u64);
 
@@ -27,8 +27,8 @@ impl Merger {
         let mut out = Vec::new();
         for e in events {
             match e {
-                KvEvent::Stored { hashes, parent, tokens, block_size, medium } => {
-                    self.stored(group, &hashes, parent, &tokens, block_size, medium, &mut out)
+                KvEvent::Stored { hashes, parent, tokens, block_size, medium, lora } => {
+                    self.stored(group, &hashes, parent, &tokens, (block_size, medium, lora), &mut out)
                 }
                 KvEvent::Removed { hashes, medium } => {
                     let gone: Vec<u64> = hashes.into_iter().filter(|&h| self.drop_one(group, (medium, h))).collect();
@@ -57,8 +57,7 @@ impl Merger {
         hashes: &[u64],
         parent: Option<u64>,
         tokens: &[u32],
-        block_size: u32,
-        medium: Medium,
+        (block_size, medium, lora): (u32, Medium, Option<LoraTag>),
         out: &mut Vec<KvEvent>,
     ) {
         let bs = block_size as usize;
@@ -71,6 +70,7 @@ impl Merger {
                     tokens: tokens[start * bs..(end * bs).min(tokens.len())].to_vec(),
                     block_size,
                     medium,
+                    lora: lora.clone(),
                 });
             }
         };
@@ -134,7 +134,7 @@ mod tests {
 
     fn stored(hashes: &[u64], parent: Option<u64>) -> KvEvent {
         let tokens = hashes.iter().flat_map(|&h| [h as u32, h as u32]).collect();
-        KvEvent::Stored { hashes: hashes.to_vec(), parent, tokens, block_size: 2, medium: Medium::Device }
+        KvEvent::Stored { hashes: hashes.to_vec(), parent, tokens, block_size: 2, medium: Medium::Device, lora: None }
     }
 
     fn removed(hashes: &[u64]) -> KvEvent {

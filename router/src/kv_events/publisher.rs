@@ -222,7 +222,14 @@ mod tests {
     use crate::kv::Medium;
 
     fn stored(h: u64) -> KvEvent {
-        KvEvent::Stored { hashes: vec![h], parent: None, tokens: vec![1, 2], block_size: 2, medium: Medium::Device }
+        KvEvent::Stored {
+            hashes: vec![h],
+            parent: None,
+            tokens: vec![1, 2],
+            block_size: 2,
+            medium: Medium::Device,
+            lora: None,
+        }
     }
 
     #[test]

@@ -39,15 +39,15 @@ fn hashes(h: &[u64]) -> Value {
 /// One event's fields in vLLM's declaration order, tag first.
 fn fields(e: &KvEvent) -> Vec<(&'static str, Value)> {
     match e {
-        KvEvent::Stored { hashes: h, parent, tokens, block_size, medium } => vec![
+        KvEvent::Stored { hashes: h, parent, tokens, block_size, medium, lora } => vec![
             ("type", s("BlockStored")),
             ("block_hashes", hashes(h)),
             ("parent_block_hash", parent.map_or(Value::Nil, Value::from)),
             ("token_ids", Value::Array(tokens.iter().map(|&t| Value::from(t)).collect())),
             ("block_size", Value::from(*block_size)),
-            ("lora_id", Value::Nil),
+            ("lora_id", lora.as_ref().map_or(Value::Nil, |l| Value::from(l.id))),
             ("medium", s(medium_name(*medium))),
-            ("lora_name", Value::Nil),
+            ("lora_name", lora.as_ref().map_or(Value::Nil, |l| s(&l.name))),
         ],
         KvEvent::Removed { hashes: h, medium } => {
             vec![("type", s("BlockRemoved")), ("block_hashes", hashes(h)), ("medium", s(medium_name(*medium)))]
@@ -87,6 +87,7 @@ mod tests {
             tokens: vec![1, 2, 3, 4],
             block_size: 2,
             medium: Medium::Device,
+            lora: None,
         }
     }
 
@@ -110,7 +111,18 @@ mod tests {
         assert_eq!(get("block_hashes").as_array().unwrap()[0].as_u64(), Some(u64::MAX));
         assert!(get("parent_block_hash").is_nil());
         assert_eq!(get("medium").as_str(), Some("GPU"));
+        assert!(get("lora_id").is_nil() && get("lora_name").is_nil());
         assert_eq!(e[1].as_map().unwrap().len(), 1);
+    }
+
+    #[test]
+    fn an_adapters_blocks_carry_its_id_and_name() {
+        let lora = Some(crate::kv::LoraTag { id: 3, name: "sql".into() });
+        let KvEvent::Stored { hashes, parent, tokens, block_size, medium, .. } = stored() else { unreachable!() };
+        let e = KvEvent::Stored { hashes, parent, tokens, block_size, medium, lora };
+        let v = decode(&encode_batch(1.0, &[e], 0, Layout::Array));
+        let a = v.as_array().unwrap()[1].as_array().unwrap()[0].as_array().unwrap().clone();
+        assert_eq!((a[5].as_u64(), a[7].as_str()), (Some(3), Some("sql")));
     }
 
     #[test]

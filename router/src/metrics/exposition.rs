@@ -47,6 +47,7 @@ pub fn render(st: &RouterState, facts: &EngineFacts) -> String {
         get(&st.requeued_total),
     );
     render_groups(st, &mut out);
+    render_lora(st, &mut out);
     render_http(st, &mut out);
     render_histograms(st, &mut out);
     gateway_names::render(st, facts, &mut out);
@@ -129,6 +130,16 @@ fn counters(st: &RouterState) -> [Series<'static>; 14] {
             get(&st.decode_step_ns_total) / 1e9,
         ),
     ]
+}
+
+/// Requests accepted per LoRA adapter, labelled `adapter="name"`.
+fn render_lora(st: &RouterState, out: &mut String) {
+    let name = "pagemill_lora_requests_total";
+    let _ = writeln!(out, "# HELP {name} Requests accepted per LoRA adapter\n# TYPE {name} counter");
+    for (adapter, n) in st.lora_requests.lock().unwrap_or_else(|e| e.into_inner()).iter() {
+        let adapter = adapter.replace('\\', "\\\\").replace('"', "\\\"").replace('\n', "\\n");
+        let _ = writeln!(out, "{name}{{adapter=\"{adapter}\"}} {n}");
+    }
 }
 
 /// Per data-parallel group figures, labelled `group="0"`, `group="1"`...

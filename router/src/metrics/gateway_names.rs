@@ -25,6 +25,8 @@ pub struct EngineFacts {
     /// Storage dtype of the KV pool.
     pub cache_dtype: String,
     pub prefix_caching: bool,
+    /// `--max-loras` (0: LoRA off).
+    pub max_lora: u32,
 }
 
 /// (name, kind, help, value) of one series.
@@ -124,7 +126,7 @@ pub fn render(st: &RouterState, facts: &EngineFacts, out: &mut String) {
     for series in vllm_series(st) {
         labelled(out, series, &vllm);
     }
-    render_info(facts, out);
+    render_info(st, facts, out);
     for series in sglang_series(st) {
         labelled(out, series, &sglang);
     }
@@ -139,9 +141,9 @@ pub fn render(st: &RouterState, facts: &EngineFacts, out: &mut String) {
 }
 
 /// vLLM's info gauges: the cache configuration (value 1), and the LoRA
-/// adapters running and waiting (value: the time of this reading, so a
-/// reader takes the newest series; no adapters are served).
-fn render_info(facts: &EngineFacts, out: &mut String) {
+/// adapters running and waiting, by name, comma-separated (value: the time
+/// of this reading, so a reader takes the newest series).
+fn render_info(st: &RouterState, facts: &EngineFacts, out: &mut String) {
     let python_bool = if facts.prefix_caching { "True" } else { "False" };
     let cache = format!(
         "block_size=\"{}\",cache_dtype=\"{}\",enable_prefix_caching=\"{python_bool}\",engine=\"0\",num_gpu_blocks=\"{}\"",
@@ -155,9 +157,15 @@ fn render_info(facts: &EngineFacts, out: &mut String) {
         &cache,
     );
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0.0, |d| d.as_secs_f64());
-    let lora = "max_lora=\"0\",running_lora_adapters=\"\",waiting_lora_adapters=\"\"";
+    let names = |m: &std::sync::Mutex<Vec<String>>| escape(&m.lock().unwrap_or_else(|e| e.into_inner()).join(","));
+    let lora = format!(
+        "max_lora=\"{}\",running_lora_adapters=\"{}\",waiting_lora_adapters=\"{}\"",
+        facts.max_lora,
+        names(&st.lora_running),
+        names(&st.lora_waiting)
+    );
     let help = "LoRA adapters running and waiting (value: when this was read)";
-    labelled(out, ("vllm:lora_requests_info", "gauge", help, now), lora);
+    labelled(out, ("vllm:lora_requests_info", "gauge", help, now), &lora);
 }
 
 #[cfg(test)]
@@ -171,6 +179,7 @@ mod tests {
             num_gpu_blocks: 100,
             cache_dtype: "bfloat16".into(),
             prefix_caching: true,
+            max_lora: 0,
         }
     }
 
@@ -213,5 +222,19 @@ mod tests {
         let value: f64 = line.rsplit(' ').next().unwrap().parse().unwrap();
         assert!(value > 1.7e9, "{line}");
         assert!(!out.contains("kv_cache_usage_perc{model_name=\"tiny \\\"m\\\"\",engine=\"0\"} NaN"));
+    }
+
+    #[test]
+    fn lora_info_names_the_adapters_running_and_waiting() {
+        let st = RouterState::default();
+        *st.lora_running.lock().unwrap() = vec!["sql".into(), "summary".into()];
+        *st.lora_waiting.lock().unwrap() = vec!["chat".into()];
+        let mut out = String::new();
+        render(&st, &EngineFacts { max_lora: 4, ..facts() }, &mut out);
+        let line = out.lines().find(|l| l.starts_with("vllm:lora_requests_info{")).unwrap();
+        assert!(
+            line.contains(r#"max_lora="4",running_lora_adapters="sql,summary",waiting_lora_adapters="chat""#),
+            "{line}"
+        );
     }
 }

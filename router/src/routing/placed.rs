@@ -11,9 +11,17 @@
 
 use std::hash::{DefaultHasher, Hash, Hasher};
 
-/// Chain keys of the full blocks of `tokens`, at most `max_blocks`.
-pub fn prefix_keys(tokens: &[u32], block_size: usize, max_blocks: usize) -> Vec<u64> {
-    let mut parent = 0u64;
+/// Chain keys of the full blocks of `tokens`, at most `max_blocks`, for the
+/// KV of adapter `lora` (0: the base model): another adapter's prompt with
+/// the same tokens shares no key.
+pub fn prefix_keys(lora: u32, tokens: &[u32], block_size: usize, max_blocks: usize) -> Vec<u64> {
+    let mut parent = if lora == 0 {
+        0u64
+    } else {
+        let mut h = DefaultHasher::new();
+        ("lora", lora).hash(&mut h);
+        h.finish()
+    };
     tokens
         .chunks_exact(block_size)
         .take(max_blocks)
@@ -81,18 +89,21 @@ mod tests {
 
     #[test]
     fn keys_name_whole_prefixes() {
-        let a = prefix_keys(&[1, 2, 3, 4, 5], 2, 9);
+        let a = prefix_keys(0, &[1, 2, 3, 4, 5], 2, 9);
         assert_eq!(a.len(), 2);
-        assert_eq!(prefix_keys(&[1, 2, 3, 4], 2, 1), a[..1].to_vec());
-        assert_ne!(prefix_keys(&[9, 2, 3, 4], 2, 9)[1], a[1]);
+        assert_eq!(prefix_keys(0, &[1, 2, 3, 4], 2, 1), a[..1].to_vec());
+        assert_ne!(prefix_keys(0, &[9, 2, 3, 4], 2, 9)[1], a[1]);
+        let lora = prefix_keys(1, &[1, 2, 3, 4, 5], 2, 9);
+        assert!(lora.iter().zip(&a).all(|(x, y)| x != y), "an adapter's prompt shares no key with the base's");
+        assert_ne!(prefix_keys(2, &[1, 2], 2, 9), lora[..1].to_vec());
     }
 
     #[test]
     fn the_longest_shared_prefix_of_a_group_counts() {
         let mut p = PlacedPrefixes::new(2);
-        p.record(0, 1u64, prefix_keys(&[1, 2, 3, 4, 5, 6], 2, 9));
-        p.record(0, 2u64, prefix_keys(&[1, 2, 7, 7], 2, 9));
-        let q = prefix_keys(&[1, 2, 3, 4, 8, 8], 2, 9);
+        p.record(0, 1u64, prefix_keys(0, &[1, 2, 3, 4, 5, 6], 2, 9));
+        p.record(0, 2u64, prefix_keys(0, &[1, 2, 7, 7], 2, 9));
+        let q = prefix_keys(0, &[1, 2, 3, 4, 8, 8], 2, 9);
         assert_eq!((p.longest(0, &q), p.longest(1, &q)), (2, 0));
         // Request 1 ended: only request 2's block is left in common.
         p.retain(|_, id, _| *id != 1);

@@ -9,6 +9,7 @@ use tokio::sync::mpsc;
 
 use super::placed::{prefix_keys, PlacedPrefixes};
 use super::rule::{choose, GroupLoad, Routing};
+use crate::adapter::{Adapter, AdapterRef};
 use crate::error::RouterError;
 use crate::kv::KvManager;
 use crate::queue::{Entry, ResponseTx, SeqEvent};
@@ -45,10 +46,11 @@ pub struct GroupHandle {
 }
 
 /// A prompt placed on a group: its request's stream (alive while the
-/// request is) and its tokens (to see when the group caches them).
+/// request is) and its tokens and adapter (to see when the group caches them).
 struct Watch {
     stream: mpsc::WeakUnboundedSender<Result<SeqEvent, RouterError>>,
     tokens: Vec<u32>,
+    adapter: Option<AdapterRef>,
 }
 
 pub struct Placer {
@@ -102,16 +104,17 @@ impl Placer {
         self.groups[i].kv.lock().unwrap_or_else(PoisonError::into_inner).clone()
     }
 
-    /// Chain keys of the blocks of `tokens` a hit can cover (one token is always computed).
-    fn keys(&self, tokens: &[u32]) -> Vec<u64> {
+    /// Chain keys of the blocks of `tokens` a hit can cover (one token is
+    /// always computed), as `adapter` computes them.
+    fn keys(&self, adapter: Option<&Adapter>, tokens: &[u32]) -> Vec<u64> {
         let bs = self.kv(0).block_size() as usize;
-        prefix_keys(tokens, bs, tokens.len().saturating_sub(1) / bs)
+        prefix_keys(adapter.map_or(0, |a| a.id), tokens, bs, tokens.len().saturating_sub(1) / bs)
     }
 
-    /// Each group's figures for a prompt of `tokens`; `exclude` counts as out of rotation.
-    fn loads(&self, tokens: &[u32], exclude: Option<usize>) -> Vec<GroupLoad> {
+    /// Each group's figures for a prompt of `tokens` with `adapter`; `exclude` counts as out of rotation.
+    fn loads(&self, adapter: Option<&Adapter>, tokens: &[u32], exclude: Option<usize>) -> Vec<GroupLoad> {
         let prefix = self.routing == Routing::Prefix;
-        let keys = if prefix { self.keys(tokens) } else { Vec::new() };
+        let keys = if prefix { self.keys(adapter, tokens) } else { Vec::new() };
         let placed = self.placed.lock().unwrap_or_else(PoisonError::into_inner);
         self.groups
             .iter()
@@ -122,7 +125,7 @@ impl Placer {
                 let kv = self.kv(i);
                 let bs = kv.block_size() as u64;
                 let (cached_tokens, placed_tokens) = if serving && prefix {
-                    (kv.peek_prefix(tokens) as u64 * bs, placed.longest(i, &keys) as u64 * bs)
+                    (kv.peek_prefix(adapter, tokens) as u64 * bs, placed.longest(i, &keys) as u64 * bs)
                 } else {
                     (0, 0)
                 };
@@ -139,9 +142,9 @@ impl Placer {
             .collect()
     }
 
-    fn pick(&self, tokens: &[u32], need: u64, exclude: Option<usize>) -> Option<usize> {
+    fn pick(&self, adapter: Option<&Adapter>, tokens: &[u32], need: u64, exclude: Option<usize>) -> Option<usize> {
         let cursor = self.cursor.fetch_add(1, Ordering::Relaxed);
-        choose(self.routing, &self.loads(tokens, exclude), need, cursor)
+        choose(self.routing, &self.loads(adapter, tokens, exclude), need, cursor)
     }
 
     /// Sends `arrivals` (one request, or the sequences of one failed group
@@ -167,17 +170,18 @@ impl Placer {
     pub fn place(&self, entries: Vec<Entry>) -> Result<usize, RouterError> {
         let Some(first) = entries.first() else { return Err(RouterError::Generation("nothing to place".into())) };
         let tokens = first.request.input_ids.clone();
+        let adapter = first.request.adapter.clone();
         let stream = first.response_tx.downgrade();
         let need = (tokens.len() as u64 + first.request.max_new_tokens as u64) * entries.len() as u64;
         let mut arrivals: Vec<Arrival> = entries.into_iter().map(Arrival::New).collect();
         self.forget_settled();
         // A group whose loop has gone is taken out by `send`; try the others.
         for _ in 0..self.groups.len() {
-            let Some(i) = self.pick(&tokens, need, None) else { break };
+            let Some(i) = self.pick(adapter.as_deref(), &tokens, need, None) else { break };
             arrivals = self.send(i, arrivals);
             if arrivals.is_empty() {
                 RouterState::add(&self.groups[i].stats.placed_total, 1);
-                self.remember(i, stream, tokens);
+                self.remember(i, Watch { stream, tokens, adapter });
                 return Ok(i);
             }
         }
@@ -185,10 +189,10 @@ impl Placer {
     }
 
     /// A prompt placed on group `i` counts there until its blocks are cached.
-    fn remember(&self, i: usize, stream: mpsc::WeakUnboundedSender<Result<SeqEvent, RouterError>>, tokens: Vec<u32>) {
+    fn remember(&self, i: usize, watch: Watch) {
         if self.routing == Routing::Prefix && self.groups.len() > 1 {
-            let keys = self.keys(&tokens);
-            self.placed.lock().unwrap_or_else(PoisonError::into_inner).record(i, Watch { stream, tokens }, keys);
+            let keys = self.keys(watch.adapter.as_deref(), &watch.tokens);
+            self.placed.lock().unwrap_or_else(PoisonError::into_inner).record(i, watch, keys);
         }
     }
 
@@ -197,7 +201,7 @@ impl Placer {
         let kvs: Vec<KvManager> = (0..self.groups.len()).map(|i| self.kv(i)).collect();
         self.placed.lock().unwrap_or_else(PoisonError::into_inner).retain(|g, w, keys| {
             let alive = w.stream.upgrade().is_some_and(|tx| !tx.is_closed());
-            alive && (kvs[g].peek_prefix(&w.tokens) as usize) < keys.len()
+            alive && (kvs[g].peek_prefix(w.adapter.as_deref(), &w.tokens) as usize) < keys.len()
         });
     }
 
@@ -211,7 +215,7 @@ impl Placer {
             let mut a = vec![Arrival::Resume(s, tx)];
             for _ in 0..self.groups.len() {
                 let Arrival::Resume(s, _) = &a[0] else { unreachable!() };
-                let Some(i) = self.pick(&s.tokens, need, Some(from)) else { break };
+                let Some(i) = self.pick(s.adapter(), &s.tokens, need, Some(from)) else { break };
                 a = self.send(i, a);
                 if a.is_empty() {
                     break;
@@ -266,6 +270,7 @@ mod tests {
             grammar: None,
             priority: 0,
             tenant: None,
+            adapter: None,
         };
         (Entry { id, request, response_tx: tx, queued_at: Instant::now(), queue_deadline: None, group: None }, rx)
     }
@@ -291,6 +296,6 @@ mod tests {
         }
         let (e3, _s3) = entry(3, [system(1), vec![5]].concat());
         p.forget_settled();
-        assert_eq!(p.placed.lock().unwrap().longest(first, &p.keys(&e3.request.input_ids)), 0);
+        assert_eq!(p.placed.lock().unwrap().longest(first, &p.keys(None, &e3.request.input_ids)), 0);
     }
 }

@@ -18,9 +18,13 @@ use super::sequence::Sequence;
 use super::state::State;
 use super::step_plan::StepPlan;
 
-/// Leading full blocks two token sequences have in common.
-pub(super) fn common_blocks(a: &[u32], b: &[u32], block_size: u32) -> u32 {
-    let same = a.iter().zip(b).take_while(|(x, y)| x == y).count() as u32;
+/// Leading full blocks two sequences' KV has in common: none when they run
+/// with different adapters (or one with an adapter and one without).
+pub(super) fn common_blocks(a: &Sequence, b: &Sequence, block_size: u32) -> u32 {
+    if a.adapter_id() != b.adapter_id() {
+        return 0;
+    }
+    let same = a.tokens.iter().zip(&b.tokens).take_while(|(x, y)| x == y).count() as u32;
     same / block_size
 }
 
@@ -41,10 +45,10 @@ pub(super) fn waits(st: &State, plan: &StepPlan, s: &Sequence) -> bool {
     let bs = st.kv.block_size();
     // At least one token is left to compute (it yields the first sample).
     let shareable = s.len().saturating_sub(1) / bs;
-    let mut now = st.kv.peek_prefix(&s.tokens);
+    let mut now = st.kv.peek_prefix(s.adapter(), &s.tokens);
     let mut later = 0;
     for a in st.running.iter().filter(|a| !a.prefilled) {
-        let common = common_blocks(&a.tokens, &s.tokens, bs).min(shareable);
+        let common = common_blocks(a, s, bs).min(shareable);
         now = now.max(common.min(reach(plan, a) / bs));
         later = later.max(common);
     }

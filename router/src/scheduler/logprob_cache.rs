@@ -67,9 +67,11 @@ impl LogprobCache {
         self.entries.is_empty()
     }
 
-    /// Keys of the full blocks of `tokens`, in order.
-    fn keys<'a>(&self, tokens: &'a [u32]) -> impl Iterator<Item = (u64, &'a [u32])> {
-        tokens.chunks_exact(self.block_size).scan(0u64, |prev, block| {
+    /// Keys of the full blocks of `tokens` under adapter `lora` (0: the
+    /// base model; an adapter's logprobs are its own), in order.
+    fn keys<'a>(&self, lora: u32, tokens: &'a [u32]) -> impl Iterator<Item = (u64, &'a [u32])> {
+        let seed = if lora == 0 { 0 } else { chain(lora as u64, &[]) };
+        tokens.chunks_exact(self.block_size).scan(seed, |prev, block| {
             *prev = chain(*prev, block);
             Some((*prev, block))
         })
@@ -80,13 +82,13 @@ impl LogprobCache {
     }
 
     /// Per full block of `tokens`: whether an entry with `top_n` alternatives holds it.
-    pub fn stored_blocks(&self, tokens: &[u32], top_n: u32) -> Vec<bool> {
-        self.keys(tokens).map(|(key, block)| self.usable(key, block, top_n).is_some()).collect()
+    pub fn stored_blocks(&self, lora: u32, tokens: &[u32], top_n: u32) -> Vec<bool> {
+        self.keys(lora, tokens).map(|(key, block)| self.usable(key, block, top_n).is_some()).collect()
     }
 
     /// Fills the positions of `lps` that stored blocks of `tokens` hold.
-    pub fn fill(&mut self, tokens: &[u32], lps: &mut PromptLogprobs) {
-        let keys: Vec<(u64, usize)> = self.keys(tokens).enumerate().map(|(b, (k, _))| (k, b)).collect();
+    pub fn fill(&mut self, lora: u32, tokens: &[u32], lps: &mut PromptLogprobs) {
+        let keys: Vec<(u64, usize)> = self.keys(lora, tokens).enumerate().map(|(b, (k, _))| (k, b)).collect();
         for (key, b) in keys {
             let start = b * self.block_size;
             let Some(e) = self.usable(key, &tokens[start..start + self.block_size], lps.top_n) else { continue };
@@ -101,8 +103,8 @@ impl LogprobCache {
 
     /// Stores every full block of a prompt whose logprobs are all known;
     /// an entry with fewer alternatives is replaced.
-    pub fn store(&mut self, tokens: &[u32], lps: &PromptLogprobs) {
-        let keys: Vec<(u64, usize)> = self.keys(tokens).enumerate().map(|(b, (k, _))| (k, b)).collect();
+    pub fn store(&mut self, lora: u32, tokens: &[u32], lps: &PromptLogprobs) {
+        let keys: Vec<(u64, usize)> = self.keys(lora, tokens).enumerate().map(|(b, (k, _))| (k, b)).collect();
         for (key, b) in keys {
             let range = b * self.block_size..(b + 1) * self.block_size;
             if self.usable(key, &tokens[range.clone()], lps.top_n).is_none() {
@@ -159,14 +161,15 @@ mod tests {
     fn full_blocks_are_stored_and_read_back_by_prefix() {
         let mut c = LogprobCache::new(4, 100);
         let a: Vec<u32> = (0..10).collect();
-        c.store(&a, &complete(10, 1));
+        c.store(0, &a, &complete(10, 1));
         assert_eq!(c.len(), 2, "two full blocks of 10 tokens");
         // Same first block, another second one.
         let b: Vec<u32> = (0..4).chain(50..60).collect();
-        assert_eq!(c.stored_blocks(&b, 1), [true, false, false]);
-        assert_eq!(c.stored_blocks(&b, 2), [false, false, false], "fewer alternatives than asked");
+        assert_eq!(c.stored_blocks(0, &b, 1), [true, false, false]);
+        assert_eq!(c.stored_blocks(0, &b, 2), [false, false, false], "fewer alternatives than asked");
+        assert_eq!(c.stored_blocks(7, &b, 1), [false, false, false], "an adapter's logprobs are its own");
         let mut lps = PromptLogprobs::new(b.len(), 1);
-        c.fill(&b, &mut lps);
+        c.fill(0, &b, &mut lps);
         assert_eq!(lps.known_prefix(), 4);
         assert_eq!((lps.logprobs[3], lps.top[3].ids.clone()), (-3.0, vec![3]));
         // Position 4 starts a block nobody stored: not known.
@@ -178,14 +181,14 @@ mod tests {
         let mut c = LogprobCache::new(2, 3);
         let a = [1, 2, 3, 4];
         let b = [9, 9, 8, 8];
-        c.store(&a, &complete(4, 0));
-        c.store(&b, &complete(4, 0));
+        c.store(0, &a, &complete(4, 0));
+        c.store(0, &b, &complete(4, 0));
         assert_eq!(c.len(), 3);
-        assert_eq!(c.stored_blocks(&a, 0), [false, true], "a's first block was the least recently used");
-        assert_eq!(c.stored_blocks(&b, 0), [true, true]);
+        assert_eq!(c.stored_blocks(0, &a, 0), [false, true], "a's first block was the least recently used");
+        assert_eq!(c.stored_blocks(0, &b, 0), [true, true]);
         // More alternatives replace an entry.
-        c.store(&b, &complete(4, 2));
-        assert_eq!(c.stored_blocks(&b, 2), [true, true]);
+        c.store(0, &b, &complete(4, 2));
+        assert_eq!(c.stored_blocks(0, &b, 2), [true, true]);
         assert_eq!(c.len(), 3);
     }
 }

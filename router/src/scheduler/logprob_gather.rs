@@ -19,7 +19,7 @@ use crate::queue::SeqEvent;
 pub fn cacheable_blocks(s: &Sequence, cache: &LogprobCache, block_size: u32) -> u32 {
     let Some(lps) = s.prompt_lps.as_ref().filter(|l| !l.sent) else { return u32::MAX };
     let prompt = &s.tokens[..lps.len()];
-    let stored = cache.stored_blocks(prompt, lps.top_n);
+    let stored = cache.stored_blocks(s.adapter_id(), prompt, lps.top_n);
     let bs = block_size as usize;
     let known = (0..lps.len()).find(|&p| !lps.known(p) && !stored.get(p / bs).copied().unwrap_or(false));
     let known = known.unwrap_or(lps.len());
@@ -29,8 +29,9 @@ pub fn cacheable_blocks(s: &Sequence, cache: &LogprobCache, block_size: u32) -> 
 
 /// Before `s` is admitted: its gathered logprobs completed from `cache`.
 pub fn fill_from_cache(s: &mut Sequence, cache: &mut LogprobCache) {
+    let lora = s.adapter_id();
     if let Some(lps) = s.prompt_lps.as_mut().filter(|l| !l.sent) {
-        cache.fill(&s.tokens[..lps.len()], lps);
+        cache.fill(lora, &s.tokens[..lps.len()], lps);
     }
 }
 
@@ -52,11 +53,12 @@ pub fn take_report(s: &mut Sequence, g: &pb::Generation, samples: bool) -> Resul
 /// On the first sample: the whole prompt's logprobs for the stream, stored
 /// beside the prompt's blocks for later requests with the same prefix.
 pub fn prefill_event(s: &mut Sequence, cache: &mut LogprobCache, caching: bool) -> Option<SeqEvent> {
+    let lora = s.adapter_id();
     let lps = s.prompt_lps.as_mut().filter(|l| !l.sent)?;
     lps.sent = true;
     let ids = s.tokens[..lps.len()].to_vec();
     if caching {
-        cache.store(&ids, lps);
+        cache.store(lora, &ids, lps);
     }
     Some(SeqEvent::Prefill { ids, logprobs: lps.logprobs.clone(), ranks: lps.ranks.clone(), top: lps.top.clone() })
 }

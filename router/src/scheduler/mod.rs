@@ -13,6 +13,7 @@ mod fake_shard;
 mod in_flight;
 pub mod logprob_cache;
 mod logprob_gather;
+pub mod lora_cap;
 mod order;
 mod preempt;
 mod priority_preempt;
@@ -29,6 +30,8 @@ mod tests;
 mod tests_ahead;
 #[cfg(test)]
 mod tests_in_flight;
+#[cfg(test)]
+mod tests_lora;
 #[cfg(test)]
 mod tests_priority;
 #[cfg(test)]
@@ -75,6 +78,8 @@ pub struct SchedulerConfig {
     pub priority_aging: Option<std::time::Duration>,
     /// Most sequences one tenant may have running at once; None: no cap.
     pub max_running_per_tenant: Option<u32>,
+    /// Most distinct LoRA adapters among the running sequences (`--max-loras`).
+    pub max_loras: u32,
     /// The model's window when every layer slides (0: some layer is global):
     /// blocks wholly behind it go back to the pool while a sequence runs.
     pub sliding_window: u32,

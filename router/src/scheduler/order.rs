@@ -22,7 +22,7 @@ pub fn order_queue(st: &mut State, now: Instant) {
         .iter()
         .map(|u| {
             let s = &st.queue[u.start];
-            let hit = if lpm { st.kv.peek_prefix(&s.tokens) } else { 0 };
+            let hit = if lpm { st.kv.peek_prefix(s.adapter(), &s.tokens) } else { 0 };
             (s.effective_priority(now, aging), std::cmp::Reverse(hit), s.arrival)
         })
         .collect();

@@ -15,6 +15,7 @@
 use std::time::Instant;
 
 use super::admission::{fits_resources, Running};
+use super::lora_cap::lora_fits;
 use super::order::{order_queue, units};
 use super::preempt::preempt;
 use super::prompts::{budget_with_running, candidate, growth_budget};
@@ -42,6 +43,10 @@ pub fn preempt_for_priority(st: &mut State, now: Instant) -> Vec<Sequence> {
         if own > 0 && own + unit.len() as u32 > cap {
             return Vec::new();
         }
+    }
+    if !lora_fits(&st.running, st.queue[unit.start].adapter_id(), st.config.max_loras) {
+        // Waiting for an adapter slot, not for room: preempting would not admit it.
+        return Vec::new();
     }
     let c = candidate(st, &unit);
     if fits_resources(&growth_budget(st), running_now(st), &c) {

@@ -10,6 +10,7 @@ use std::time::Instant;
 use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
 use super::in_flight::{common_blocks, hold_back_waiting, reach, waits};
 use super::logprob_gather::{cacheable_blocks, fill_from_cache};
+use super::lora_cap::hold_back_lora;
 use super::order::{order_queue, units};
 use super::sequence::Sequence;
 use super::state::State;
@@ -106,6 +107,7 @@ fn admissions(
     if let Some(cap) = st.config.max_running_per_tenant {
         (units, eligible) = hold_back_capped(&mut st.queue, &st.running, &units, cap);
     }
+    (units, eligible) = hold_back_lora(&mut st.queue, &st.running, &units, eligible, st.config.max_loras);
     (units, eligible) = hold_back_waiting(st, plan, &units, eligible);
     let candidates: Vec<Candidate> = units[..eligible].iter().map(|u| candidate(st, u)).collect();
     let running = Running {
@@ -129,7 +131,7 @@ fn admissions(
 /// blocks before anyone reads them. At most `cap` blocks (`cacheable_blocks`).
 fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, cap: u32) -> KvBlocks {
     let bs = st.kv.block_size();
-    let mut blocks = st.kv.acquire_prefix(capped(&s.tokens, cap, bs));
+    let mut blocks = st.kv.acquire_prefix(s.adapter(), capped(&s.tokens, cap, bs));
     let limit = fork_shared_blocks(s.len(), bs).min(cap);
     let caching = st.kv.prefix_caching();
     let best = st
@@ -139,7 +141,7 @@ fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, cap: u32) -> KvBlock
         // Without prefix caching only forks of one request share.
         .filter(|a| caching || (s.group.is_some() && a.group == s.group))
         .map(|a| {
-            let m = common_blocks(&a.tokens, &s.tokens, bs).min(limit).min(reach(plan, a) / bs);
+            let m = common_blocks(a, s, bs).min(limit).min(reach(plan, a) / bs);
             (m, a)
         })
         .max_by_key(|(m, _)| *m);
@@ -157,7 +159,7 @@ fn prompt_blocks(st: &State, plan: &StepPlan, s: &Sequence, cap: u32) -> KvBlock
 /// true when there are any: the sequence then only loads in this step, its
 /// compute is planned once the reply confirmed the loads.
 fn plan_tier_loads(st: &State, plan: &mut StepPlan, s: &Sequence, first: u32, cap: u32) -> bool {
-    let keys = st.kv.tier_hits(capped(&s.tokens, cap, st.kv.block_size()), first as usize);
+    let keys = st.kv.tier_hits(s.adapter(), capped(&s.tokens, cap, st.kv.block_size()), first as usize);
     if keys.is_empty() {
         return false;
     }
@@ -195,7 +197,7 @@ pub(super) fn candidate(st: &State, unit: &std::ops::Range<usize>) -> Candidate 
     let len = leader.len();
     let blocks = st.kv.blocks_for(len);
     let cap = cacheable_blocks(leader, &st.logprob_cache, bs);
-    let cached = st.kv.peek_prefix(&leader.tokens).min(blocks).min(cap);
+    let cached = st.kv.peek_prefix(leader.adapter(), &leader.tokens).min(blocks).min(cap);
     let forks = unit.len() as u32 - 1;
     let shared = fork_shared_blocks(len, bs).min(cap);
     Candidate {

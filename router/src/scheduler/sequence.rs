@@ -5,6 +5,7 @@
 use std::time::Instant;
 
 use super::prompt_logprobs::PromptLogprobs;
+use crate::adapter::Adapter;
 use crate::kv::KvBlocks;
 use crate::proto::pb;
 use crate::queue::Entry;
@@ -123,7 +124,18 @@ impl Sequence {
             generated_len: self.generated,
             grammar: r.grammar.clone(),
             prompt_top_n: if self.wants_prompt_logprobs() { r.prompt_top_n } else { 0 },
+            adapter: r.adapter.as_ref().map(|a| a.to_proto()),
         }
+    }
+
+    /// The LoRA adapter it runs with (None: the base model).
+    pub fn adapter(&self) -> Option<&Adapter> {
+        self.request.adapter.as_deref()
+    }
+
+    /// Its adapter's id, 0 for the base model.
+    pub fn adapter_id(&self) -> u32 {
+        self.request.adapter.as_ref().map_or(0, |a| a.id)
     }
 
     /// Prompt logprobs asked for and not yet handed to the stream (a

@@ -115,7 +115,7 @@ impl State {
         if let Some(blocks) = s.blocks.take() {
             if cache {
                 let computed = (s.num_computed as usize).min(s.tokens.len());
-                self.kv.commit(&blocks, &s.tokens[..computed]);
+                self.kv.commit(s.adapter(), &blocks, &s.tokens[..computed]);
             }
         }
         if s.on_shard {

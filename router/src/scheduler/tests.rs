@@ -37,6 +37,7 @@ pub(super) fn config(mixed: Option<u32>, chunk: Option<u32>, speculate: u32) -> 
         max_num_batched_tokens: mixed,
         priority_aging: None,
         max_running_per_tenant: None,
+        max_loras: 2,
         sliding_window: 0,
         schedule_ahead_from: 1,
     }
@@ -59,6 +60,7 @@ pub(super) fn request(prompt: Vec<u32>, max_new: u32) -> ValidRequest {
         grammar: None,
         priority: 0,
         tenant: None,
+        adapter: None,
     }
 }
 
@@ -719,7 +721,7 @@ fn the_prefix_cache_never_serves_blocks_a_window_gave_back() {
     assert!(out.window_released > 0);
     let mut b = a.clone();
     b.extend(&out.tokens[&1]);
-    assert_eq!(st.kv.peek_prefix(&b), 13 / BS, "the cache offers more than A's prompt blocks");
+    assert_eq!(st.kv.peek_prefix(None, &b), 13 / BS, "the cache offers more than A's prompt blocks");
     st.enqueue(entry(2, request(b.clone(), 10), None));
     // Other traffic first, so that blocks A gave back are reused before B runs.
     for id in 3..6 {

@@ -90,7 +90,7 @@ fn a_prefix_cached_without_its_logprobs_is_recomputed() {
     let a = prompt(1, 20);
     st.enqueue(entry(1, request(a.clone(), 3), None));
     drive(&mut st, &mut shard);
-    assert_eq!(st.kv.peek_prefix(&a), 4, "A's blocks are cached");
+    assert_eq!(st.kv.peek_prefix(None, &a), 4, "A's blocks are cached");
     st.enqueue(entry(2, with_logprobs(a.clone(), 3, 0), None));
     let (start, out) = run_watching(&mut st, &mut shard, 2);
     assert_eq!(start, 0);
@@ -134,4 +134,46 @@ fn a_shard_that_leaves_a_position_out_fails_the_request_instead_of_a_gap() {
     assert!(!out.prefill.contains_key(&1));
     assert_eq!(out.tokens[&2], expected(&prompt(2, 5), 3));
     assert_no_leak(&st);
+}
+
+/// `b` enqueued once `a` has run its first prompt chunk; returns where `b`'s
+/// first scheduled range started and what both streams got.
+fn second_arrives_mid_prefill(a: ValidRequest, b: ValidRequest) -> (u32, Outcome) {
+    let (mut st, mut shard) = setup(config(None, Some(8), 0), 200);
+    st.enqueue(entry(1, a, None));
+    let plan = schedule(&mut st, Instant::now());
+    let mut out = Outcome::default();
+    collect(&mut out, update(&mut st, &plan, &shard.step(&plan.request)).0);
+    st.enqueue(entry(2, b, None));
+    let (start, rest) = run_watching(&mut st, &mut shard, 2);
+    out.prefill.extend(rest.prefill);
+    out.errors.extend(rest.errors);
+    out.tokens.extend(rest.tokens);
+    assert_no_leak(&st);
+    (start, out)
+}
+
+#[test]
+fn a_prompt_in_flight_is_shared_only_as_far_as_its_logprobs_are_known() {
+    let a = prompt(4, 40);
+    let mut b = a[..36].to_vec();
+    b.extend([70, 71, 72]);
+    // The prompt computing ahead gathers no logprobs: its blocks would give
+    // the second prompt KV without logprobs, so that one computes its own.
+    let (start, out) = second_arrives_mid_prefill(request(a.clone(), 2), with_logprobs(b.clone(), 2, 1));
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    assert_eq!(start, 0);
+    assert_complete(&out, 2, &b, 1);
+    assert_eq!(out.tokens[&2], expected(&b, 2));
+    // It gathers them too: once stored beside its blocks they serve the
+    // shared prefix, all but the block whose logits give the next position.
+    let (start, out) = second_arrives_mid_prefill(with_logprobs(a.clone(), 2, 1), with_logprobs(b.clone(), 2, 1));
+    assert!(out.errors.is_empty(), "{:?}", out.errors);
+    assert_eq!(start, 8 * BS);
+    assert_complete(&out, 1, &a, 1);
+    assert_complete(&out, 2, &b, 1);
+    // Without prompt logprobs the second shares what the first computes.
+    let (start, out) = second_arrives_mid_prefill(request(a.clone(), 2), request(b.clone(), 2));
+    assert!(start >= 8 * BS, "started at {start}");
+    assert_eq!(out.tokens[&2], expected(&b, 2));
 }

@@ -99,7 +99,7 @@ fn placement_follows_the_exact_cached_prefix() {
     // Group 1's radix tree holds the first 8 tokens of the prompt.
     let shared = prompt(3, 9);
     let blocks = kv1.allocate(2).unwrap();
-    kv1.commit(&blocks, &shared[..8]);
+    kv1.commit(None, &blocks, &shared[..8]);
     drop(blocks);
     for id in 0..4 {
         assert_eq!(placer.place(vec![entry(id, request(shared.clone(), 2), None)]).unwrap(), 1);

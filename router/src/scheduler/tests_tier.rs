@@ -81,7 +81,7 @@ fn a_corrupt_tier_block_is_recomputed_and_never_served_again() {
     let next = shard.steps[step + 1].requests.iter().find(|r| r.id == 9).unwrap();
     assert_eq!(next.num_computed, 4 * BS, "computed only up to the failed block");
     // The corrupt key is gone from the index: it is not asked for again...
-    let hits = st.kv.tier_hits(&q, 0);
+    let hits = st.kv.tier_hits(None, &q, 0);
     assert!(!hits.contains(&keys[4]) || !shard.corrupt.contains(&keys[4]));
     assert_no_leak(&st);
 }

@@ -106,7 +106,7 @@ fn apply_chunk(st: &mut State, i: usize, p: &Planned, stats: &mut StepStats) {
     s.num_computed = p.num_computed + p.num_tokens;
     // The shard confirmed this chunk's KV: its full blocks may be shared now.
     if let Some(b) = s.blocks.as_ref() {
-        st.kv.commit(b, &s.tokens[..s.num_computed as usize]);
+        st.kv.commit(s.adapter(), b, &s.tokens[..s.num_computed as usize]);
     }
     stats.window_released_blocks += release_behind_window(s, st.config.sliding_window, st.kv.block_size());
 }
@@ -134,7 +134,7 @@ fn apply_sample(
     if !s.prefilled {
         s.prefilled = true;
         if let Some(b) = s.blocks.as_ref() {
-            st.kv.commit(b, &s.tokens[..(p.num_computed + p.num_tokens) as usize]);
+            st.kv.commit(s.adapter(), b, &s.tokens[..(p.num_computed + p.num_tokens) as usize]);
         }
         if let Some(prefill) = prefill_event(s, &mut st.logprob_cache, st.kv.prefix_caching()) {
             events.push((p.id, Ok(prefill)));
@@ -170,7 +170,7 @@ pub fn apply_loads(st: &mut State, plan: &StepPlan, resp: &pb::StepResponse, sta
         let s = &mut st.running[i];
         s.num_computed = (l.first_block + ok) * bs;
         if let Some(b) = s.blocks.as_ref() {
-            st.kv.commit(b, &s.tokens[..s.num_computed as usize]);
+            st.kv.commit(s.adapter(), b, &s.tokens[..s.num_computed as usize]);
         }
     }
 }

@@ -14,15 +14,25 @@ through, is a function of p alone. Rows of one P go through the same ops in grou
 ROW_TILE (short groups padded with zero rows), so the products run on one shape whatever the
 batch. Decode rows and prompt rows take this same path, so a token computed in a prompt chunk
 and the same token decoded are equal too.
+
+With the compiled kernels (cpu_kernels/invariant.py) each (token, head) is one task of
+csrc/attention/invariant_attention.cpp instead: scores, softmax and the sum over values taken
+in increasing key position over the token's own keys only, so no padding is needed; the torch
+path above is what runs without them.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 
 from pagemill.attention.kv_dtype import is_int8, widen
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.attention.torch_backend import TorchAttentionBackend
+
+if TYPE_CHECKING:
+    from pagemill.cpu_kernels.invariant import InvariantKernels
 
 KEY_TILE = 64  # keys a row's context is padded to a multiple of
 ROW_TILE = 16  # query rows per call
@@ -31,8 +41,9 @@ ROW_TILE = 16  # query rows per call
 class BatchInvariantAttention:
     name = "batch-invariant"
 
-    def __init__(self) -> None:
+    def __init__(self, kernels: InvariantKernels | None = None) -> None:
         self._writer = TorchAttentionBackend()  # the plain torch KV write: per slot, no reductions
+        self._kernels = kernels
 
     def write_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
         self._writer.write_kv(k, v, k_cache, v_cache, slot_mapping)
@@ -49,6 +60,8 @@ class BatchInvariantAttention:
         if is_int8(k_cache.dtype):
             raise ValueError("batch-invariant attention reads float, bf16 or fp8 caches, not int8")
         seq, pos = token_positions(meta)
+        if self._kernels is not None and q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16):
+            return self._kernels.attention(q, k_cache, v_cache, meta.block_tables, seq, pos, scale, window, softcap)
         out = torch.empty_like(q)
         padded = (pos // KEY_TILE + 1) * KEY_TILE
         for p_len in torch.unique(padded).tolist():

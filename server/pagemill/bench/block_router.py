@@ -124,17 +124,17 @@ class BlockRouter:
     def add(self, rid: int, prompt: Iterable[int], max_new_tokens: int, *, params=None, ignore_eos: bool = False,
             min_new_tokens: int = 0, stop_token_ids=(), top_n: int = 0, prefill_logprobs: bool = False,
             grammar=None, prefix: tuple[int, int] | None = None, chunk: int | None = None,
-            prompt_top_n: int = 0) -> Output:
+            prompt_top_n: int = 0, adapter: pb.Adapter | None = None) -> Output:
         """Queues a request; it joins the next step. prefix=(rid, n): its first n tokens (whole
         blocks) are those of a request still held here, whose blocks it shares (a fork, or a
         prefix-cache hit); they count as computed even if that request computes them in the
-        same step."""
+        same step. adapter: the LoRA adapter it runs with (resent after a preemption)."""
         prompt = list(prompt)
         stopping = pb.StoppingCriteriaParameters(max_new_tokens=max_new_tokens, ignore_eos_token=ignore_eos,
                                                  min_new_tokens=min_new_tokens, stop_token_ids=list(stop_token_ids))
         new = pb.NewRequest(input_ids=prompt, parameters=params or pb.NextTokenChooserParameters(),
                             stopping_parameters=stopping, top_n_tokens=top_n, prefill_logprobs=prefill_logprobs,
-                            grammar=grammar, prompt_top_n=prompt_top_n)  # fmt: skip
+                            grammar=grammar, prompt_top_n=prompt_top_n, adapter=adapter)  # fmt: skip
         t = Tracked(new, list(prompt), chunk)
         if prefill_logprobs:
             t.out.prompt = [math.nan] * len(prompt)

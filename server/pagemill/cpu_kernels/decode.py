@@ -33,6 +33,15 @@ class DecodeKernels:
         self.layers_int8.argtypes = layers + [ctypes.c_int, vp]
         self.layer_int8_ptrs = int(lib.pagemill_decode_layer_int8_ptrs())
         self.layer_int8_max_rows = int(lib.pagemill_decode_layer_int8_max_rows())
+        # decode_gguf.cpp: the layers of a model whose linears are GGUF blocks (models/fused_decode.py's
+        # GGUFFusedDecoder): flags and the windowed layers' cos/sin after the scale, the pool's dtype
+        # (0 float32, 1 bf16) after the block tables.
+        self.layers_gguf = lib.pagemill_decode_layers_gguf
+        self.layers_gguf.restype = ctypes.c_int
+        self.layers_gguf.argtypes = [vp, i64, i64, vp, vp, f32, f32, ctypes.c_int, vp, vp, vp, vp, vp, vp, i64, vp, vp,
+                                     vp, ctypes.c_int, ctypes.c_int, vp]  # fmt: skip
+        self.layer_gguf_ptrs = int(lib.pagemill_decode_gguf_ptrs())
+        self.layer_gguf_max_rows = int(lib.pagemill_decode_gguf_max_rows())
         self.layer_ptrs = int(lib.pagemill_decode_layer_ptrs())
         self.layer_dims = int(lib.pagemill_decode_layer_dims())
         self.layer_max_rows = int(lib.pagemill_decode_layer_max_rows())

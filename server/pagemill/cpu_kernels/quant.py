@@ -94,6 +94,8 @@ class QuantKernel:
         self._linear.argtypes = [i32, vp, i64, i64, vp, i32, i64, vp, vp, i32]
         self._rows = lib.pagemill_quant_rows
         self._rows.restype, self._rows.argtypes = i32, [i32, vp, i64, i64, vp, i64, vp, i32, i32]
+        self._tail = lib.pagemill_quant_pack_tail
+        self._tail.restype, self._tail.argtypes = i32, [i32, vp, i64, i64, vp]
         # 2: VNNI (vpdpbusd), 1: AVX2 (vpmaddubsw), 0: the portable loops.
         self.simd = int(lib.pagemill_quant_simd())
 
@@ -158,6 +160,17 @@ class QuantKernel:
         if rc != 0:
             raise ValueError(f"{w.type_name} linear rejected x {tuple(shape)} against [{n}, {k}]")
         return y if len(shape) == 2 else y.reshape(*shape[:-1], n)
+
+    def tail(self, w: PreparedWeight) -> torch.Tensor | None:
+        """The last out_features % 8 rows of a quantized weight as the group the kernels read
+        (uint8 [8 * row_bytes]), which the fused decode layer (decode_gguf.cpp) takes made once;
+        None where out_features is a multiple of 8."""
+        if w.qtype in FLOAT_TYPES or w.out_features % 8 == 0:
+            return None
+        out = torch.empty(8 * self.row_bytes(w.qtype, w.in_features), dtype=torch.uint8)
+        if self._tail(w.qtype, w.data_ptr, w.out_features, w.in_features, out.data_ptr()) != 0:
+            raise ValueError(f"{w.type_name}: packing the tail of [{w.out_features}, {w.in_features}] failed")
+        return out
 
     def embedding(self, ids: torch.Tensor, w: PreparedWeight, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Rows `ids` (int64 [T], any shape) of W as floats -> [*ids.shape, K] in dtype (float32 / bfloat16)."""

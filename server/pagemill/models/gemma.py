@@ -13,8 +13,9 @@ As transformers' Gemma2/Gemma3 modeling, operation for operation:
   the model's rope (and rope scaling).
 
 Tensor parallelism is the Llama layer's: heads and MLP features split by
-rank, norms replicated. The fused CPU decode layer does not apply (it has
-none of the extra norms), so decode takes the module path.
+rank, norms replicated. The fused CPU decode layer for float and int8 weights
+does not apply (it has none of the extra norms); a model holding GGUF blocks
+decodes through fused_decode.GGUFFusedDecoder, which has them.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch import nn
 from pagemill.attention.backend import AttentionBackend
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.models.config import ModelConfig
+from pagemill.models.fused_decode import GGUFFusedDecoder
 from pagemill.models.layers import MLP, RotaryEmbedding
 from pagemill.models.llama import Attention, KVCache, LlamaForCausalLM
 from pagemill.parallel.embedding import VocabParallelEmbedding
@@ -105,12 +107,19 @@ class GemmaModel(nn.Module):
         local = dataclasses.replace(config, rope_theta=config.gemma.local_rope_theta,
                                     rope_scaling=config.gemma.local_rope_scaling)  # fmt: skip
         self.local_rotary = RotaryEmbedding(local)
-        self.fused = None  # no fused CPU decode layer for Gemma (see the module docstring)
+        self.fused = None  # GGUF weights only (see the module docstring); set by pack_weights
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # transformers multiplies by the scale cast to the weights' dtype.
         x = x * torch.tensor(self.embed_scale, dtype=x.dtype)
+        # The compiled whole-layer decoder knows no adapters: steps with adapter rows take the per-op path.
+        ctx = getattr(self, "lora_context", None)
+        adapters = ctx is not None and ctx.batch is not None
+        if not adapters and self.fused is not None and self.fused.applies(x, meta, kv_caches):
+            cos, sin = self.rotary.cos_sin(positions, torch.float32)
+            cos_local, sin_local = self.local_rotary.cos_sin(positions, torch.float32)
+            return self.norm(self.fused(x, cos, sin, meta, kv_caches, cos_local, sin_local))
         rotary = {False: self.rotary.cos_sin(positions, x.dtype), True: self.local_rotary.cos_sin(positions, x.dtype)}
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             cos, sin = rotary[layer.self_attn.sliding_window is not None]
@@ -124,7 +133,8 @@ class GemmaForCausalLM(LlamaForCausalLM):
 
     def pack_weights(self, cpu_kernels: bool = True) -> int:
         n = super().pack_weights(cpu_kernels)
-        self.model.fused = None  # the kernel's layer is Llama's, not Gemma's
+        if not isinstance(self.model.fused, GGUFFusedDecoder):
+            self.model.fused = None  # the float/int8 kernel's layer is Llama's, not Gemma's
         return n
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

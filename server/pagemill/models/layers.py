@@ -201,9 +201,15 @@ class MLP(nn.Module):
         lin.packed = lin.gemm = None  # the GEMM's copy now lives here (the same memory, reordered)
         return True
 
+    def adapted(self) -> bool:
+        """Whether this step adds adapters' products to gate_up's output (the SwiGLU epilogue
+        would consume that output inside the GEMM, before they could be added)."""
+        lora = getattr(self.gate_up_proj, "lora", None)
+        return lora is not None and lora.active
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu is not None and x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] > 1 \
-                and not (torch.is_grad_enabled() and x.requires_grad):
+                and not (torch.is_grad_enabled() and x.requires_grad) and not self.adapted():
             kernel, packed, bias = self.swiglu  # (1 row: the matvec below reads the weight faster)
             rows_ok = x.stride(1) == 1 and x.stride(0) >= x.shape[1]
             return self.down_proj(kernel.swiglu(x if rows_ok else x.contiguous(), packed, bias))

@@ -29,7 +29,7 @@ from pagemill.attention.backend import AttentionBackend
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.models.batched_decode import BatchedDecoder
 from pagemill.models.config import ModelConfig
-from pagemill.models.fused_decode import FusedDecoder
+from pagemill.models.fused_decode import FusedDecoder, GGUFFusedDecoder
 from pagemill.models.layers import MLP, RMSNorm, RotaryEmbedding, apply_rotary
 from pagemill.models.packed_linear import pack_all
 from pagemill.parallel.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -143,16 +143,19 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(config)
         self.fused: FusedDecoder | None = None  # set by LlamaForCausalLM.pack_weights where it applies
         self.batched: BatchedDecoder | None = None  # likewise: other bf16 steps (decode, prompt chunks)
+        self.lora_context = None  # lora.apply.LoraContext once adapters are enabled (lora/layers.py install)
 
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches: Sequence[KVCache]) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        if self.fused is not None and self.fused.applies(x, meta, kv_caches):
+        # The compiled whole-layer decoders know no adapters: steps with adapter rows take the per-op path.
+        adapters = self.lora_context is not None and self.lora_context.batch is not None
+        if not adapters and self.fused is not None and self.fused.applies(x, meta, kv_caches):
             # The fused layers compute in float32 whatever the weights' dtype.
             cos, sin = self.rotary.cos_sin(positions, torch.float32)
             return self.norm(self.fused(x, cos, sin, meta, kv_caches))
         # One cos/sin for all layers: positions do not change inside a forward.
         cos, sin = self.rotary.cos_sin(positions, x.dtype)
-        if self.batched is not None and self.batched.applies(x, meta, kv_caches):
+        if not adapters and self.batched is not None and self.batched.applies(x, meta, kv_caches):
             x, residual = self.batched(x, cos, sin, meta, kv_caches)  # the loop below, one call per layer
             return self.norm.add_and_norm(x, residual)[1]
         residual = None
@@ -222,11 +225,13 @@ class LlamaForCausalLM(nn.Module):
             from pagemill.cpu_kernels.decode import decode_kernels
             from pagemill.cpu_kernels.rowwise import elementwise_kernels, norm_kernel
 
-            # The whole-layer decoders read float or int8 weights through pointers, not GGUF blocks.
+            # A model holding GGUF blocks has its own whole-layer decoder (fused_decode.GGUFFusedDecoder).
             if not holds_gguf_weights(self):
                 self.model.fused = FusedDecoder.build(self, decode_kernels())
                 if isinstance(self.model, LlamaModel):
                     self.model.batched = BatchedDecoder.build(self, decode_kernels())
+            else:
+                self.model.fused = GGUFFusedDecoder.build(self, decode_kernels())
             if self.model.norm.weight.device.type == "cpu":
                 norm, elementwise = norm_kernel(), elementwise_kernels()
         for m in self.modules():
@@ -297,9 +302,20 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         attn_metadata: AttentionMetadata,
         kv_caches: Sequence[KVCache],
+        lora=None,
     ) -> torch.Tensor:
-        """input_ids/positions [T] -> final hidden states [T, hidden]."""
-        return self.model(input_ids, positions, attn_metadata, kv_caches)
+        """input_ids/positions [T] -> final hidden states [T, hidden]. lora: the step's
+        lora.apply.LoraBatch (which rows use which adapter; None: the base model alone)."""
+        if lora is None:
+            return self.model(input_ids, positions, attn_metadata, kv_caches)
+        ctx = getattr(self, "lora_context", None)
+        if ctx is None:
+            raise RuntimeError("a step with adapter rows on a model without LoRA layers (lora/layers.py install)")
+        ctx.batch = lora
+        try:
+            return self.model(input_ids, positions, attn_metadata, kv_caches)
+        finally:
+            ctx.batch = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> float32 logits [N, vocab]."""

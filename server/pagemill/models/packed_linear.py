@@ -90,7 +90,8 @@ class PackedLinear(nn.Linear):
     packed: torch.Tensor | None = None  # oneDNN's copy, or gemm_bf16's where self.gemm is set
     matvec = None  # cpu_kernels.MatvecKernel, set by pack() where it builds
     gemm = None  # cpu_kernels.gemm.GemmBf16Kernel, set by pack() for bf16 where it pays
-    invariant = False  # --batch-invariant: fixed-shape row tiles (models/batch_invariant.py)
+    invariant = None  # --batch-invariant: models/batch_invariant.py's Invariant, which runs every product
+    lora = None  # lora.apply.LoraLayer: adapters' low-rank products added to the output (lora/layers.py)
 
     def pack(self, cpu_kernels: bool = True, bf16_linear: str = "auto") -> None:
         """(Re)builds the packed copy from the current weight; no-op where unsupported.
@@ -116,17 +117,16 @@ class PackedLinear(nn.Linear):
             self.matvec = matvec_kernel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
+        out = self.matmul(x, self.bias)
+        return out if self.lora is None else self.lora(x, out)
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x @ weight.T (+ bias), through the matvec kernel or the packed weight where they pay."""
         rows = x.shape[0] if x.dim() == 2 else 0
         if x.dtype != self.weight.dtype or rows == 0 or (torch.is_grad_enabled() and x.requires_grad):
             return F.linear(x, self.weight, bias)  # the packed ops have no backward
-        if self.invariant:
-            from pagemill.models.batch_invariant import invariant_linear
-
-            return invariant_linear(x, self.weight, bias)
+        if self.invariant is not None:
+            return self.invariant.linear(x, self.weight, bias)
         if self.matvec is not None and rows <= MATVEC_MAX_ROWS:
             return self.matvec(x.contiguous(), self.weight, bias)
         if self.gemm is not None and (bias is None or bias.dtype == x.dtype):

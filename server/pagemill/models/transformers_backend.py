@@ -105,8 +105,11 @@ class TransformersCausalLM(nn.Module):
         return 0  # transformers' linears are plain nn.Linear
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                kv_caches: Sequence[KVCache]) -> torch.Tensor:  # fmt: skip
-        """input_ids/positions [T] -> final hidden states [T, hidden]."""
+                kv_caches: Sequence[KVCache], lora=None) -> torch.Tensor:  # fmt: skip
+        """input_ids/positions [T] -> final hidden states [T, hidden]. lora: always None (Warmup
+        refuses adapters with this implementation)."""
+        if lora is not None:
+            raise RuntimeError("LoRA adapters need the native model implementation")
         step = PagedStep(attn_metadata, kv_caches, self._backend)
         out = self.hf.get_decoder()(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
                                     pagemill_step=step)  # fmt: skip

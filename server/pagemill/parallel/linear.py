@@ -36,6 +36,9 @@ class RowParallelLinear(PackedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
-            return self.matmul(x, self.bias)
-        out = self.group.all_reduce(self.matmul(x, None))
+            return super().forward(x)
+        partial = self.matmul(x, None)
+        if self.lora is not None:  # this rank's input columns of A: a partial low-rank product, summed below
+            partial = self.lora(x, partial)
+        out = self.group.all_reduce(partial)
         return out if self.bias is None else out + self.bias

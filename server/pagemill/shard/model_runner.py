@@ -7,7 +7,9 @@ constrained request always ends on the EOS its finished grammar forces), a
 stop token or when it has generated max_new_tokens; EOS wins when both hold.
 A request that alone cannot go on (its grammar does not compile) is computed
 with the others, then answered with Generation.error and dropped; so are
-finished requests. Speculative steps: speculative/step.py.
+finished requests. A request whose LoRA adapter cannot be served is not
+computed at all (its KV would be the base model's), only answered with the
+error. Speculative steps: speculative/step.py.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from pagemill.models.llama import LlamaForCausalLM
 from pagemill.models.loader import dtype_name
 from pagemill.parallel.group import ParallelGroup
 from pagemill.grammar.matcher import GrammarCompiler, GrammarMasker
+from pagemill.lora.pool import AdapterPool
 from pagemill.proto import pb
 from pagemill.sampling.sampler import Sampler
+from pagemill.shard.adapters import attach_adapters, enable_adapters
 from pagemill.shard.constraints import banned_tokens, compile_grammar, start_masks, wait_masks
 from pagemill.shard.cuda_graphs import DecodeGraphs, capture_decode_graphs
 from pagemill.shard.errors import ShardError
@@ -118,6 +122,8 @@ class ModelRunner:
         self.adaptive_threads = adaptive_threads and self.device.type == "cpu" and self.world_size == 1
         # Per batch size (the step time grows with it), made on its first eligible step.
         self.thread_choices: dict[int, ThreadChoice] = {}
+        # LoRA adapters: none until a Warmup sizes the pool (shard/adapters.py); it never loads any.
+        self.adapters = AdapterPool(0, 0, lambda *a: None)
 
     @classmethod
     def from_shard_config(cls, cfg: ShardConfig, group: ParallelGroup | None = None) -> "ModelRunner":
@@ -168,7 +174,8 @@ class ModelRunner:
         with self._on_device():
             warm = PoolWarmup(self.model, self.config, self.sampler, self.draft, self.speculate, self.block_size,
                               self.kv_dtype, self.device, self.huge_pages)  # fmt: skip
-            self.pool = warm.run(req, self.kv_cache_memory, self.gpu_memory_utilization)
+            self.adapters, reserve = enable_adapters(self, req)
+            self.pool = warm.run(req, self.kv_cache_memory, self.gpu_memory_utilization, reserve)
             self.cuda_graphs = capture_decode_graphs(self, req)
             elapsed = time.perf_counter_ns() - start
             log.info("warmup: %d KV blocks of %d tokens (%s), %.2fs", self.pool.num_blocks, self.block_size,
@@ -192,10 +199,12 @@ class ModelRunner:
             if e.fresh:
                 compile_grammar(self.grammars, e.state, s.new_request)
         apply_step(req, entries, self.requests)
+        no_adapter = attach_adapters(self.adapters, entries, req, self.requests, self.group)
         # Before the forward: a saved block may be rewritten by this very step.
         tier = run_ops(self.store, pool, req) if self.store is not None else None
         start = time.perf_counter_ns()
-        live = [e for e in entries if e.state is not None]
+        # A request whose adapter failed is not computed: its KV would be the base model's.
+        live = [e for e in entries if e.state is not None and e.id not in no_adapter]
         emitted, prompt_lps = {}, {}
         if live:
             choice = self._thread_choice(live)
@@ -226,6 +235,8 @@ class ModelRunner:
         fused = getattr(getattr(self.model, "model", None), "fused", None)
         if fused is None or self.kv_dtype != fused.dtype or len(live) > fused.max_small_batch or not is_decode_step(live):
             return None
+        if any(e.state.adapter is not None for e in live):  # the per-op path: not what the choice measures
+            return None
         choice = self.thread_choices.get(len(live))
         if choice is None:
             choice = self.thread_choices[len(live)] = ThreadChoice(thread_counts(torch.get_num_threads()))
@@ -255,14 +266,16 @@ class ModelRunner:
         hidden = None
         if is_decode_step(live):
             # A one-token prompt chunk that predicts a prompt token needs its hidden row: no graph.
-            graphs = self.cuda_graphs if not any(prompt_rows(e) for e in live) else None
+            # Nor for adapter rows: the graphs were captured without them.
+            graphs = self.cuda_graphs if inputs.lora is None and not any(prompt_rows(e) for e in live) else None
             logits = graphs.logits_for(inputs) if graphs is not None else None
             if logits is None:  # no graphs (CPU, --no-cuda-graphs) or wider than the largest graph
-                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
+                hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches,
+                                    lora=inputs.lora)  # fmt: skip
                 logits = self.model.head_logits(hidden)  # the sampler widens what it reads
             logits = logits[sampled] if len(sampled) < len(live) else logits
         else:
-            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches)
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.pool.kv_caches, lora=inputs.lora)
             if self.draft is not None:  # keeps the draft pool a mirror of every computed prompt token
                 self.draft.forward(inputs.input_ids, inputs.positions, inputs.meta)
                 for e in live:

@@ -40,6 +40,7 @@ class RequestState:
     min_new_tokens: int = 0  # EOS and stop_token_ids are banned until this many tokens are generated here
     stop_token_ids: frozenset[int] = frozenset()  # tokens that finish the request like EOS
     prompt_top_n: int = 0  # alternatives reported at each prompt position (with prefill_logprobs)
+    adapter: object | None = None  # lora.apply.LoadedAdapter the request runs with (None: the base model)
 
     @property
     def seq_len(self) -> int:

@@ -11,7 +11,8 @@ import os
 from pagemill.attention.backend import select_backend
 from pagemill.attention.invariant_backend import BatchInvariantAttention
 from pagemill.config import ShardConfig, check_batch_invariant
-from pagemill.models.batch_invariant import make_batch_invariant
+from pagemill.cpu_kernels.invariant import invariant_kernels
+from pagemill.models.batch_invariant import Invariant, make_batch_invariant
 from pagemill.models.auto_dtype import resolve_dtype
 from pagemill.models.config import ModelConfig
 from pagemill.models.llama import LlamaForCausalLM
@@ -33,8 +34,10 @@ def runner_kwargs(cfg: ShardConfig, group: ParallelGroup | None) -> tuple[LlamaF
     check_batch_invariant(cfg)
     # --batch-invariant: the compiled kernels choose paths by batch size, so none of them.
     cpu_kernels = cfg.cpu_kernels and not cfg.batch_invariant
+    # Its own compiled kernels sum in an order fixed by each row's own shape (cpu_kernels/invariant.py).
+    invariant = Invariant(invariant_kernels() if cfg.batch_invariant and cfg.cpu_kernels else None)
     if cfg.batch_invariant:
-        backend = BatchInvariantAttention()
+        backend = BatchInvariantAttention(invariant.kernels)
     else:
         backend = select_backend(cfg.attention, device, cpu_kernels=cpu_kernels)
     dtype, why = resolve_dtype(cfg.dtype, device)
@@ -43,7 +46,8 @@ def runner_kwargs(cfg: ShardConfig, group: ParallelGroup | None) -> tuple[LlamaF
                                cpu_kernels=cpu_kernels, quantize=cfg.quantize, model_impl=cfg.model_impl,
                                huge_pages=cfg.huge_pages, gguf_weights=cfg.gguf_weights)  # fmt: skip
     if cfg.batch_invariant:
-        log.info("batch-invariant: %d linears on fixed-shape row tiles", make_batch_invariant(model))
+        how = "the compiled invariant kernels" if invariant.kernels else "torch on fixed-shape row tiles"
+        log.info("batch-invariant: %d linears on %s", make_batch_invariant(model, invariant), how)
     draft = None
     if cfg.speculate > 0 and cfg.speculate_method == "draft":
         if not cfg.draft_model:

@@ -5,7 +5,9 @@ proposals, at positions start.. ; each position's slot follows from the
 block table: block_table[p // block_size] * block_size + p % block_size.
 A step that feeds exactly one token per entry is a decode step (decode
 metadata: fused CPU layer, CUDA graphs); anything else is one varlen
-prefill-style forward over all entries.
+prefill-style forward over all entries. Which rows use which LoRA adapter is
+worked out here too, once for every adapted linear of the forward
+(lora/apply.py).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Sequence
 import torch
 
 from pagemill.attention.metadata import AttentionMetadata, make_metadata
+from pagemill.lora.apply import LoraBatch, build_batch
 from pagemill.shard.requests import Entry
 
 
@@ -25,6 +28,7 @@ class StepInputs:
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
     last_rows: torch.Tensor  # [B] row of each entry's last fed token in the packed axis
+    lora: LoraBatch | None = None  # rows per adapter (None: every row runs the base model alone)
 
 
 def slot(table: Sequence[int], pos: int, block_size: int) -> int:
@@ -66,4 +70,5 @@ def build_inputs(entries: Sequence[Entry], block_size: int, device) -> StepInput
         slot_mapping=packed[2 * t + b :],
         device=device,
     )
-    return StepInputs(packed[:t], packed[t : 2 * t], meta, packed[2 * t : 2 * t + b])
+    lora = build_batch([e.state.adapter for e in entries], query_lens, device)
+    return StepInputs(packed[:t], packed[t : 2 * t], meta, packed[2 * t : 2 * t + b], lora)

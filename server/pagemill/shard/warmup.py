@@ -34,16 +34,18 @@ class PoolWarmup:
         self.speculate, self.block_size, self.kv_dtype = speculate, block_size, kv_dtype
         self.device, self.huge_pages = device, huge_pages
 
-    def run(self, req, kv_cache_memory: int, gpu_memory_utilization: float) -> KVPool:
-        """The pool from the memory budget (CUDA: what the dummy steps leave free), after the dummy
-        steps on CPU. RESOURCE_EXHAUSTED when the pool cannot hold one request of max_total_tokens."""
+    def run(self, req, kv_cache_memory: int, gpu_memory_utilization: float, reserve: int = 0) -> KVPool:
+        """The pool from the memory budget (CUDA: what the dummy steps leave free) less `reserve`
+        bytes (resident LoRA adapters), after the dummy steps on CPU. RESOURCE_EXHAUSTED when the
+        pool cannot hold one request of max_total_tokens."""
         if req.max_batch_prefill_tokens == 0 or req.max_input_tokens == 0:
             raise ShardError(
                 grpc.StatusCode.INVALID_ARGUMENT, "max_batch_prefill_tokens and max_input_tokens must be > 0"
             )
         try:
             cuda = self.device.type == "cuda"
-            pool = self.allocate(self.cuda_budget(req, gpu_memory_utilization) if cuda else kv_cache_memory)
+            budget = self.cuda_budget(req, gpu_memory_utilization) if cuda else kv_cache_memory
+            pool = self.allocate(budget - reserve)
         except ValueError as e:  # the budget holds fewer than 2 blocks
             raise ShardError(grpc.StatusCode.RESOURCE_EXHAUSTED, str(e)) from None
         if not cuda:

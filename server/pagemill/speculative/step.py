@@ -62,7 +62,7 @@ class SpeculativeStep:
         offsets = [0, *itertools.accumulate(counts)][:-1]
         # Requests with a grammar have no proposals: one row each, at their offset.
         masks = start_masks(self.masker, reqs, offsets)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, kv_caches, lora=inputs.lora)
         shaped = self.sampler.shape(self.model.compute_logits(hidden), rows, wait_masks(masks),
                                     banned_tokens(self.eos_ids, reqs, offsets))  # fmt: skip
         tokens = verify(self.sampler, self.sampler.target_probs(shaped, rows), counts, proposals, reqs, draft_q)

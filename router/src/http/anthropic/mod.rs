@@ -46,6 +46,7 @@ const FRAMING: Framing = Framing { error: error_event, done: false };
             (MessagesResponse = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "Invalid input, or a field this route does not accept", body = AnthropicErrorBody),
         (status = 401, description = "Missing or wrong API key (`x-api-key` or `Authorization: Bearer`)", body = AnthropicErrorBody),
+        (status = 404, description = "`model` names no model this server serves (with --enable-lora)", body = AnthropicErrorBody),
         (status = 424, description = "Generation failed", body = AnthropicErrorBody),
         (status = 413, description = "Body over --payload-limit", body = AnthropicErrorBody),
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = AnthropicErrorBody),
@@ -59,7 +60,7 @@ pub async fn messages(
     let mut chat = convert::to_chat(&req)?;
     tenant.fill(&mut chat.sampling.user);
     let PreparedChat { input, plan, think, .. } = prepare(&app, &chat, None)?;
-    let meta = ResponseMeta::new(&app, "msg");
+    let meta = ResponseMeta::new(&app, "msg").serving(input.parameters.adapter.as_ref());
 
     if req.stream {
         let handles = app.infer.generate_streams(input, 1, "n").await?;

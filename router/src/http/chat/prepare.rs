@@ -25,8 +25,11 @@ pub struct PreparedChat {
 pub fn prepare(app: &AppState, req: &ChatCompletionRequest, top_n: Option<u32>) -> Result<PreparedChat, RouterError> {
     let invalid = |m: &str| RouterError::Validation(m.to_string());
     req.check_engine_fields()?;
+    // An unknown model is a 404 whatever else the request gets wrong.
+    let adapter = app.lora.for_model(req.sampling.model.as_deref())?;
     let prompt = render_prompt(app, req)?;
     let mut parameters = req.sampling.to_parameters(req.max_new_tokens()?, top_n)?;
+    parameters.adapter = adapter;
     let plan = ToolPlan::new(app.tool_format, req.tools.as_deref(), req.tool_choice.as_ref(), req.parallel_tool_calls)?;
     if let Some(p) = &plan {
         if let Some(forced) = &p.force {

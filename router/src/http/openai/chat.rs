@@ -50,6 +50,7 @@ struct ReplyPlan {
         (status = 200, description = "The completion, or `chat.completion.chunk` SSE events when `stream`", content(
             (ChatCompletionResponse = "application/json"), (ChatCompletionChunk = "text/event-stream"))),
         (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody),
+        (status = 404, description = "`model` names no model this server serves (with --enable-lora)", body = OpenAiErrorBody),
         (status = 400, description = "Invalid input, a field or role this route does not accept, or a chat template error", body = OpenAiErrorBody),
         (status = 424, description = "Generation failed", body = OpenAiErrorBody),
         (status = 413, description = "Body over --payload-limit", body = OpenAiErrorBody),
@@ -66,7 +67,7 @@ pub async fn chat_completions(
     let top_n = top_logprobs(&app, &req, want_logprobs)?;
     let reasoning = req.reasoning_out()?;
     let PreparedChat { input, n, plan, think } = prepare(&app, &req, top_n)?;
-    let meta = ResponseMeta::new(&app, "chatcmpl");
+    let meta = ResponseMeta::new(&app, "chatcmpl").serving(input.parameters.adapter.as_ref());
     let reply = ReplyPlan {
         plan,
         think: think.filter(|_| reasoning != ReasoningOut::Inline),

@@ -36,6 +36,7 @@ type Prompt = (String, Option<Vec<u32>>);
         (status = 200, description = "The completion, or `text_completion` SSE chunks when `stream`", content(
             (CompletionResponse = "application/json"), (CompletionResponse = "text/event-stream"))),
         (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody),
+        (status = 404, description = "`model` names no model this server serves (with --enable-lora)", body = OpenAiErrorBody),
         (status = 400, description = "Invalid input, or a field this route does not accept", body = OpenAiErrorBody),
         (status = 424, description = "Generation failed", body = OpenAiErrorBody),
         (status = 413, description = "Body over --payload-limit", body = OpenAiErrorBody),
@@ -52,9 +53,10 @@ pub async fn completions(
     let prompts = prompts(&req, &tokenizer);
     check(&app, &req, prompts.len())?;
     let scored = scoring(&req)?;
-    let parameters = parameters(&req)?;
+    let mut parameters = parameters(&req)?;
+    parameters.adapter = app.lora.for_model(req.sampling.model.as_deref())?;
     let n = req.sampling.n.unwrap_or(1);
-    let meta = ResponseMeta::new(&app, "cmpl");
+    let meta = ResponseMeta::new(&app, "cmpl").serving(parameters.adapter.as_ref());
     let inputs: Vec<GenerateInput> = prompts
         .iter()
         .map(|(text, ids)| GenerateInput {

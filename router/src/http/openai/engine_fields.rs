@@ -24,7 +24,7 @@ pub struct EngineFields {
     pub spaces_between_special_tokens: Option<bool>,
     /// SGLang: only `false`; hidden states are not returned.
     pub return_hidden_states: Option<bool>,
-    /// SGLang: a LoRA adapter; only `null` (no adapters are served).
+    /// SGLang: a LoRA adapter; only `null` (adapters are chosen by `model`, docs/lora.md).
     #[schema(value_type = Option<Object>)]
     pub lora_path: Option<serde_json::Value>,
     /// SGLang: session continuation; only `null`.
@@ -85,7 +85,7 @@ impl EngineFields {
             return Err(unsupported("`return_hidden_states`: hidden states are not returned by this server".into()));
         }
         if self.lora_path.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(unsupported("`lora_path`: this server serves no LoRA adapters".into()));
+            return Err(unsupported("`lora_path`: choose a LoRA adapter by its name in `model`".into()));
         }
         if self.session_params.as_ref().is_some_and(|v| !v.is_null()) {
             return Err(unsupported("`session_params`: sessions are not supported; send the whole prompt".into()));

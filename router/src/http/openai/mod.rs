@@ -2,6 +2,7 @@
 //! parameters the rest of the router speaks, so validation, limits and
 //! errors are the same on every route.
 
+pub mod adapters;
 pub mod chat;
 pub mod completions;
 pub mod engine_fields;
@@ -11,15 +12,12 @@ mod scoring;
 pub mod structured_outputs;
 pub mod types;
 
-use axum::extract::State;
 use axum::response::sse::Event;
-use axum::Json;
 
 use super::sse::{json_event, Framing};
-use super::AppState;
-use crate::error::{OpenAiErrorBody, RouterError};
+use crate::error::RouterError;
 use crate::request::{GenerateParameters, SamplingExtras};
-use types::{ModelCard, ModelList, SamplingParams};
+use types::SamplingParams;
 
 fn error_event(e: &RouterError) -> Event {
     json_event(&e.openai_body())
@@ -86,22 +84,6 @@ impl SamplingParams {
     pub fn include_usage(&self) -> bool {
         self.stream_options.as_ref().is_some_and(|o| o.include_usage)
     }
-}
-
-/// The served model, in OpenAI's list format.
-#[utoipa::path(get, path = "/v1/models", tag = "OpenAI",
-    responses((status = 200, description = "The served model", body = ModelList),
-              (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody)))]
-pub async fn models(State(app): State<AppState>) -> Json<ModelList> {
-    Json(ModelList {
-        object: "list".into(),
-        data: vec![ModelCard {
-            id: app.info.model_id.clone(),
-            object: "model".into(),
-            created: app.started_unix,
-            owned_by: "pagemill".into(),
-        }],
-    })
 }
 
 #[cfg(test)]

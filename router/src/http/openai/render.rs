@@ -75,6 +75,7 @@ pub struct VllmSamplingParams {
         (status = 200, description = "What the request would be generated from", body = GenerateRequest),
         (status = 400, description = "Invalid input, as on /v1/chat/completions", body = OpenAiErrorBody),
         (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody),
+        (status = 404, description = "`model` names no model this server serves (with --enable-lora)", body = OpenAiErrorBody),
     ))]
 pub async fn render_chat(
     State(app): State<AppState>,
@@ -93,6 +94,7 @@ pub async fn render_chat(
         (status = 200, description = "What each prompt would be generated from", body = [GenerateRequest]),
         (status = 400, description = "Invalid input, as on /v1/completions", body = OpenAiErrorBody),
         (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody),
+        (status = 404, description = "`model` names no model this server serves (with --enable-lora)", body = OpenAiErrorBody),
     ))]
 pub async fn render_completion(
     State(app): State<AppState>,
@@ -100,7 +102,8 @@ pub async fn render_completion(
 ) -> Result<Json<Vec<GenerateRequest>>, RouterError> {
     let prompts = req.prompt.clone().into_inputs();
     super::completions::check(&app, &req, prompts.len())?;
-    let parameters = super::completions::parameters(&req)?;
+    let mut parameters = super::completions::parameters(&req)?;
+    parameters.adapter = app.lora.for_model(req.sampling.model.as_deref())?;
     let meta = ResponseMeta::new(&app, "cmpl");
     let mut out = Vec::new();
     for (i, prompt) in prompts.into_iter().enumerate() {
@@ -139,7 +142,7 @@ async fn generate_request(
         token_ids: request.input_ids.clone(),
         features: None,
         sampling_params: vllm_sampling(&request, n, logprobs, text.show_special_tokens, text.keep_stop),
-        model: app.info.model_id.clone(),
+        model: request.adapter.as_ref().map_or_else(|| app.info.model_id.clone(), |a| a.name.clone()),
         stream: sampling.stream,
         stream_options: sampling.stream_options.as_ref().map(|o| serde_json::json!({"include_usage": o.include_usage})),
         cache_salt: None,

@@ -40,7 +40,8 @@ pub struct StreamOptions {
 /// Fields both OpenAI routes share.
 #[derive(Debug, Clone, Default, Deserialize, ToSchema)]
 pub struct SamplingParams {
-    /// Accepted and echoed back; the server serves one model.
+    /// The base model's name or a LoRA adapter's (with `--enable-lora`; an unknown
+    /// name is a 404 then). Without `--enable-lora` any name is accepted and echoed back.
     pub model: Option<String>,
     pub max_tokens: Option<i64>,
     /// 0 means greedy; default 1 (sampling), range [0, 2].
@@ -472,6 +473,10 @@ pub struct ModelCard {
     pub object: String,
     pub created: u64,
     pub owned_by: String,
+    /// Where the weights come from: the model directory, or the adapter's directory.
+    pub root: String,
+    /// The base model an adapter applies to; null for the base model itself.
+    pub parent: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, ToSchema)]

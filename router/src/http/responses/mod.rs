@@ -86,6 +86,7 @@ fn finish(obj: &mut ResponseObject, reason: &FinishReason, input: u32, output: u
             (ResponseObject = "application/json"), (String = "text/event-stream"))),
         (status = 400, description = "Invalid input, or a field this route does not accept", body = OpenAiErrorBody),
         (status = 401, description = "Missing or wrong API key", body = OpenAiErrorBody),
+        (status = 404, description = "`model` names no model this server serves (with --enable-lora)", body = OpenAiErrorBody),
         (status = 424, description = "Generation failed", body = OpenAiErrorBody),
         (status = 413, description = "Body over --payload-limit", body = OpenAiErrorBody),
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = OpenAiErrorBody),
@@ -99,7 +100,7 @@ pub async fn responses(
     let mut chat = convert::to_chat(&req)?;
     tenant.fill(&mut chat.sampling.user);
     let PreparedChat { input, plan, think, .. } = prepare(&app, &chat, None)?;
-    let meta = ResponseMeta::new(&app, "resp");
+    let meta = ResponseMeta::new(&app, "resp").serving(input.parameters.adapter.as_ref());
     let mut obj = base(&req, &meta);
 
     if req.stream {

@@ -31,6 +31,7 @@ use types::{
         (status = 422, description = "Invalid input", body = ErrorBody),
         (status = 424, description = "Generation failed", body = ErrorBody),
         (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 404, description = "`adapter_id` names no LoRA adapter this server serves", body = ErrorBody),
         (status = 413, description = "Body over --payload-limit", body = ErrorBody),
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
         (status = 503, description = "Shutting down (draining)", body = ErrorBody),
@@ -51,6 +52,7 @@ pub async fn generate(
         (status = 200, description = "One `data:` event per token", body = StreamResponse, content_type = "text/event-stream"),
         (status = 422, description = "Invalid input", body = ErrorBody),
         (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 404, description = "`adapter_id` names no LoRA adapter this server serves", body = ErrorBody),
         (status = 413, description = "Body over --payload-limit", body = ErrorBody),
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
         (status = 503, description = "Shutting down (draining)", body = ErrorBody),
@@ -73,6 +75,7 @@ pub async fn generate_stream(
             (Vec<GenerateResponse> = "application/json"), (StreamResponse = "text/event-stream"))),
         (status = 422, description = "Invalid input", body = ErrorBody),
         (status = 401, description = "Missing or wrong API key", body = ErrorBody),
+        (status = 404, description = "`adapter_id` names no LoRA adapter this server serves", body = ErrorBody),
         (status = 413, description = "Body over --payload-limit", body = ErrorBody),
         (status = 429, description = "Too many concurrent requests, or queued past --max-queue-wait-ms", body = ErrorBody),
         (status = 503, description = "Shutting down (draining)", body = ErrorBody),
@@ -137,8 +140,9 @@ fn best_of_sequence(r: InferResponse, prefix: &str) -> BestOfSequence {
 
 async fn run_generate(
     app: &AppState,
-    req: GenerateRequest,
+    mut req: GenerateRequest,
 ) -> Result<(axum::http::HeaderMap, GenerateResponse), RouterError> {
+    req.parameters.adapter = app.lora.for_adapter_id(req.parameters.adapter_id.as_deref())?;
     let p = &req.parameters;
     let details = p.details || p.decoder_input_details;
     let prefix = if p.return_full_text.unwrap_or(false) { req.inputs.clone() } else { String::new() };
@@ -164,7 +168,8 @@ async fn run_generate(
     Ok((headers, GenerateResponse { generated_text: text, details }))
 }
 
-async fn run_generate_stream(app: &AppState, req: GenerateRequest) -> Result<Response, RouterError> {
+async fn run_generate_stream(app: &AppState, mut req: GenerateRequest) -> Result<Response, RouterError> {
+    req.parameters.adapter = app.lora.for_adapter_id(req.parameters.adapter_id.as_deref())?;
     if req.parameters.best_of.unwrap_or(1) > 1 {
         return Err(RouterError::Validation("`best_of` > 1 is not supported when streaming".into()));
     }

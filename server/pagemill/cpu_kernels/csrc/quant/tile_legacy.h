@@ -22,8 +22,16 @@
 #if defined(PAGEMILL_QUANT_SIMD)
 namespace pagemill::quant::simd {
 
-// How far ahead a weight stream asks for its lines (bytes).
-constexpr int64_t kAhead = 1536;
+// How far ahead a weight stream asks for its lines (bytes). A tile's two groups are adjacent, so
+// the distance must reach past the pair (a Q5_0 group of 640 inputs is 3.5 KB) to keep lines in
+// flight. Measured at 1 row on the 2-vCPU Zen 3 (shared, load ~5; two runs, reversed order): 24
+// Q5_0 [4096 x 640] linears in turn (43 MB, a Gemma 3 270M step's share) 6.6-8.0 ms min at
+// 1536, 3.3-4.2 at 4096-6144; the 262144 x 640 Q8_0 head unchanged within the noise (16-21 ms).
+// -DPAGEMILL_QUANT_AHEAD=N overrides it (to measure).
+#ifndef PAGEMILL_QUANT_AHEAD
+#define PAGEMILL_QUANT_AHEAD 4096
+#endif
+constexpr int64_t kAhead = PAGEMILL_QUANT_AHEAD;
 
 // Groups per tile: the activation broadcasts serve two groups' weights (measured on the Zen 3:
 // a Q4_0 tile of 4 rows went from 125 to 155 GFLOP/s on one core against one group per tile).
