@@ -3,6 +3,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use super::announce::Announced;
 use super::pool::Pool;
 
 /// One sequence's block table, in order. Dropping it releases every block,
@@ -16,11 +17,14 @@ pub struct KvBlocks {
     /// Leading blocks given back behind a sliding window (release_behind): their
     /// ids stay in `ids`, as in the shard's copy of the table, but are no longer held.
     pub(super) dropped: u32,
+    /// The blocks this table's prompt announced to KV-event consumers before
+    /// computing them (announce.rs); withdrawn on Drop.
+    pub(super) announced: Option<Announced>,
 }
 
 impl KvBlocks {
     pub(super) fn new(ids: Vec<u32>, pool: Arc<Mutex<Pool>>, block_size: u32) -> Self {
-        KvBlocks { ids, pool, block_size, dropped: 0 }
+        KvBlocks { ids, pool, block_size, dropped: 0, announced: None }
     }
 
     pub fn ids(&self) -> &[u32] {
@@ -101,6 +105,9 @@ impl Drop for KvBlocks {
         let mut g = self.pool.lock().unwrap_or_else(PoisonError::into_inner);
         for &id in &self.ids[self.dropped as usize..] {
             g.release(id);
+        }
+        if let Some(a) = self.announced.take() {
+            g.withdraw(a, self.block_size);
         }
     }
 }

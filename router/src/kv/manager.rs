@@ -4,6 +4,7 @@
 
 use std::sync::{Arc, Mutex, PoisonError};
 
+use super::announce::runs;
 use super::block_allocator::BlockAllocator;
 use super::blocks::KvBlocks;
 use super::events::{EventLog, KvEvent, LoraTag, Medium};
@@ -52,6 +53,7 @@ impl KvManager {
                 prefix_caching,
                 tier: None,
                 events: EventLog::default(),
+                in_flight: Default::default(),
             })),
             block_size,
             capacity,
@@ -166,6 +168,27 @@ impl KvManager {
         KvBlocks::new(ids, self.inner.clone(), self.block_size)
     }
 
+    /// Announces to KV-event consumers the full blocks of `tokens` (an
+    /// admitted prompt, computed with `adapter`) that `blocks` will hold
+    /// past what the prefix cache holds, before the shard computes them;
+    /// withdrawn when `blocks` is dropped (announce.rs). Nothing where
+    /// events or prefix caching are off.
+    pub fn announce(&self, blocks: &mut KvBlocks, adapter: Option<&Adapter>, tokens: &[u32]) {
+        let mut g = self.lock();
+        if !g.events.is_on() || !g.prefix_caching || blocks.announced.is_some() {
+            return;
+        }
+        blocks.announced = g.announce(adapter, tokens, self.block_size);
+    }
+
+    /// Distinct blocks of the pool that KV-event consumers are told are held:
+    /// the prefix cache's and those announced in flight (checks and tests).
+    pub fn published_blocks(&self) -> usize {
+        let g = self.lock();
+        let cached = g.radix.hashes();
+        cached.len() + g.in_flight.hashes().filter(|h| !cached.contains(h)).count()
+    }
+
     /// `n` fresh blocks, evicting cached prefixes if needed; all-or-nothing.
     pub fn allocate(&self, n: u32) -> Option<KvBlocks> {
         let ids = self.inner.lock().unwrap_or_else(PoisonError::into_inner).allocate(n)?;
@@ -194,14 +217,19 @@ impl KvManager {
         let named: Vec<(u64, Option<u64>)> = added.iter().map(|&b| g.radix.hash_of(b).expect("just indexed")).collect();
         let stored = first..first + added.len();
         if g.events.is_on() {
-            g.events.push(KvEvent::Stored {
-                hashes: named.iter().map(|h| h.0).collect(),
-                parent: named[0].1,
-                tokens: tokens[stored.start * bs..stored.end * bs].to_vec(),
-                block_size: self.block_size,
-                medium: Medium::Device,
-                lora: LoraTag::of(adapter),
-            });
+            // Blocks announced at admission (announce.rs) were stored then.
+            let fresh: Vec<bool> = named.iter().map(|h| !g.in_flight.contains(h.0)).collect();
+            for run in runs(&fresh) {
+                let at = stored.start + run.start..stored.start + run.end;
+                g.events.push(KvEvent::Stored {
+                    hashes: named[run.clone()].iter().map(|h| h.0).collect(),
+                    parent: named[run.start].1,
+                    tokens: tokens[at.start * bs..at.end * bs].to_vec(),
+                    block_size: self.block_size,
+                    medium: Medium::Device,
+                    lora: LoraTag::of(adapter),
+                });
+            }
         }
         if let Some(tier) = g.tier.as_mut() {
             // Write-through: what the tree indexes is saved once, so an

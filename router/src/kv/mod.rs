@@ -1,6 +1,7 @@
 //! Paged KV-cache accounting. The router owns every block id; shards only
 //! write where they are told.
 
+mod announce;
 pub mod block_allocator;
 pub mod block_hash;
 pub mod blocks;

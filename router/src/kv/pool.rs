@@ -4,6 +4,7 @@
 //! (blocks.rs) and the manager (manager.rs) both take and give back blocks
 //! through it.
 
+use super::announce::InFlight;
 use super::block_allocator::BlockAllocator;
 use super::events::{EventLog, Medium};
 use super::radix::RadixCache;
@@ -17,6 +18,8 @@ pub(super) struct Pool {
     pub(super) prefix_caching: bool,
     pub(super) tier: Option<SecondTier>,
     pub(super) events: EventLog,
+    /// Blocks admitted prompts will compute, announced ahead (announce.rs).
+    pub(super) in_flight: InFlight,
 }
 
 impl Pool {
@@ -43,7 +46,10 @@ impl Pool {
         // Evict least recently used cached prefixes only as far as needed.
         while self.alloc.free_blocks() < n {
             let gone = self.radix.evict_one().expect("reclaimable blocks are evictable");
-            self.events.removed(gone.hash, Medium::Device);
+            if !self.in_flight.contains(gone.hash) {
+                // Still announced by a prompt computing it: removed when that ends.
+                self.events.removed(gone.hash, Medium::Device);
+            }
             let block = gone.block;
             if let Some(t) = self.tier.as_mut() {
                 // Copied out by the shard before this step's forward reuses it.

@@ -291,6 +291,11 @@ impl RadixCache {
         Some(Evicted { block: n.block, hash: n.hash, parent: parent_hash, tokens: n.key, lora: n.lora })
     }
 
+    /// Every indexed block's content hash (for checks and tests).
+    pub fn hashes(&self) -> std::collections::HashSet<u64> {
+        self.by_block.values().map(|&id| self.node(id).hash).collect()
+    }
+
     /// Token ids of the prefix that ends with `block` (for checks and tests).
     pub fn prefix_of(&self, block: u32) -> Option<Vec<u32>> {
         let mut id = *self.by_block.get(&block)?;

@@ -70,6 +70,13 @@ fn admit_from_queue(st: &mut State, plan: &mut StepPlan, left: Option<u32>, alon
             }
             break;
         }
+        if st.config.sliding_window == 0 {
+            // KV-event consumers learn of the blocks it computes now, not
+            // once computed: a request for the same prefix meanwhile waits
+            // for them here (kv/announce.rs). Windowed layers give blocks
+            // back before the cache could take them: nothing is announced.
+            st.kv.announce(&mut blocks, s.adapter(), &s.tokens);
+        }
         s.blocks = Some(blocks);
         s.num_computed = cache_len;
         st.admissions += 1;
