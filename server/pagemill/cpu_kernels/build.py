@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -27,6 +28,8 @@ _SOURCES = sorted(_CSRC.rglob("*.cpp"))
 # Every header, for the cache key: an edit to a header alone must rebuild the library.
 _HEADERS = sorted(_CSRC.rglob("*.h"))
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+# Per compiler call; a busy 2-core machine compiles the largest source in about a minute.
+_TIMEOUT_S = 600
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -66,7 +69,9 @@ def _load(extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         # NEEDED libgomp.so.1 resolves to it and the two share one pool.
         return ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("cpu kernels: build or load failed (%s); using torch's ops for decode", e)
+        detail = (getattr(e, "stderr", None) or b"")[-2000:].decode(errors="replace")
+        log.warning("cpu kernels: build or load failed (%s)%s; using torch's ops for decode", e,
+                    f":\n{detail}" if detail else "")  # fmt: skip
         return None
 
 
@@ -83,13 +88,29 @@ def _build(cxx: str, flags: list[str]) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
     os.close(fd)
     try:
-        subprocess.run([cxx, *flags, f"-I{_CSRC}", *map(str, _SOURCES), "-o", tmp], check=True, capture_output=True, timeout=120)
+        with tempfile.TemporaryDirectory(dir=cache) as work:
+            objects = _compile_each(cxx, flags, work)
+            subprocess.run([cxx, *flags, *objects, "-o", tmp], check=True, capture_output=True, timeout=_TIMEOUT_S)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     log.info("cpu kernels: built %s", path)
     return path
+
+
+def _compile_each(cxx: str, flags: list[str], work: str) -> list[str]:
+    """Every source to an object in `work`, one compiler per core: a whole -O3 build in one
+    compiler takes minutes on a small machine, most of it in a few files."""
+    objects = [os.path.join(work, f"{i}.o") for i in range(len(_SOURCES))]
+
+    def one(i: int) -> None:
+        cmd = [cxx, *flags, f"-I{_CSRC}", "-c", str(_SOURCES[i]), "-o", objects[i]]
+        subprocess.run(cmd, check=True, capture_output=True, timeout=_TIMEOUT_S)
+
+    with ThreadPoolExecutor(max_workers=max(1, min(len(_SOURCES), os.cpu_count() or 1))) as pool:
+        list(pool.map(one, range(len(_SOURCES))))  # re-raises the first failure
+    return objects
 
 
 def _cpu_flags() -> str:
