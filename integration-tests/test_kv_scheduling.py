@@ -78,44 +78,55 @@ def test_a_request_that_can_never_fit_gets_its_4xx_at_once_while_others_stream(s
 
 
 def test_better_priority_overtakes_queued_worse_priority(small):
-    done = []
-    lock = threading.Lock()
-    # One shared client: a fresh one per request spends tens of ms (TLS context, pool) in
-    # each thread, so under load the "later" requests could reach the server late.
-    client = httpx.Client(timeout=300)
+    def one_try():
+        done = []
+        lock = threading.Lock()
+        # One shared client: a fresh one per request spends tens of ms (TLS context, pool) in
+        # each thread, so under load the "later" requests could reach the server late.
+        client = httpx.Client(timeout=300)
 
-    def run(name, prompt, n, priority, openai=False):
-        if openai:
-            r = client.post(f"{small.url}/v1/completions", json={
-                "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "priority": priority})
-        else:
-            r = generate(small, prompt, n, priority, client=client)
-        assert r.status_code == 200, r.text
-        with lock:
-            done.append(name)
+        def run(name, prompt, n, priority, openai=False):
+            if openai:
+                r = client.post(f"{small.url}/v1/completions", json={
+                    "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True, "priority": priority})
+            else:
+                r = generate(small, prompt, n, priority, client=client)
+            assert r.status_code == 200, r.text
+            with lock:
+                done.append(name)
 
-    def queued():
-        for line in client.get(f"{small.url}/metrics").text.splitlines():
-            if line.startswith("pagemill_queue_size "):
-                return float(line.split()[1])
-        raise KeyError("pagemill_queue_size")
+        def queued():
+            for line in client.get(f"{small.url}/metrics").text.splitlines():
+                if line.startswith("pagemill_queue_size "):
+                    return float(line.split()[1])
+            raise KeyError("pagemill_queue_size")
 
-    with client, cf.ThreadPoolExecutor(16) as pool:
-        # Eight worse-priority requests fill the queue (one seat: they run one at a time);
-        # once most of them wait there, two better-priority ones arrive, on each API.
-        t0 = time.monotonic()
-        futures = [pool.submit(run, f"low{i}", f"Low {i}", 100, 5) for i in range(8)]
-        while queued() < 6 and time.monotonic() - t0 < 60:
-            time.sleep(0.005)
-        with lock:
-            ahead = len(done) + 1  # lows finished, and the one in the seat
-        futures += [pool.submit(run, "high-tgi", "High one", 100, -5),
-                    pool.submit(run, "high-openai", "High two", 100, -5, True)]
-        for f in futures:
-            f.result()
-        elapsed = time.monotonic() - t0
-    print(f"completion order ({elapsed:.1f} s, {ahead} lows finished or seated as the highs were sent):", done)
-    assert ahead <= 3, "the lows were not queued when the highs were sent: the test measured nothing"
+        with client, cf.ThreadPoolExecutor(16) as pool:
+            # Eight worse-priority requests fill the queue (one seat: they run one at a time; the
+            # first runs longest, so the others have time to arrive); once most of them wait
+            # there, two better-priority ones arrive, on each API.
+            t0 = time.monotonic()
+            futures = [pool.submit(run, f"low{i}", f"Low {i}", 400 if i == 0 else 100, 5) for i in range(8)]
+            while queued() < 6 and time.monotonic() - t0 < 60:
+                time.sleep(0.005)
+            with lock:
+                ahead = len(done) + 1  # lows finished, and the one in the seat
+            futures += [pool.submit(run, "high-tgi", "High one", 100, -5),
+                        pool.submit(run, "high-openai", "High two", 100, -5, True)]
+            for f in futures:
+                f.result()
+            elapsed = time.monotonic() - t0
+        print(f"completion order ({elapsed:.1f} s, {ahead} lows finished or seated as the highs were sent):", done)
+        return ahead, done
+
+    # The check needs the lows queued when the highs are sent; on a loaded machine their requests
+    # can reach the server more slowly than the seat serves them (seen once in CI: the queue never
+    # held six). That is the setup missing, not priority failing: try again, at most 3 times.
+    for _ in range(3):
+        ahead, done = one_try()
+        if ahead <= 3:
+            break
+    assert ahead <= 3, "the lows were not queued when the highs were sent in 3 tries: the test measured nothing"
     # At most these finish before each high: the lows finished or seated when it was sent, one
     # low seated between its sending and its arrival, and the other high.
     positions = [done.index("high-tgi"), done.index("high-openai")]
