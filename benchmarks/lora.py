@@ -2,13 +2,15 @@
 
     python benchmarks/lora.py --out benchmarks/results/lora
 
-Two servers on the default model, one after the other: the base model alone (no
-`--enable-lora`), then `--enable-lora --max-loras 4` with 4 random rank-16 adapters in the
-model's shape (PEFT, every projection: q/k/v/o and gate/up/down, lora_B nonzero). The same
-load against each: 64 streamed requests at once (distinct prompts, `--new-tokens` greedy
-tokens each, EOS ignored), spread round-robin over the 4 adapters on the second server. One
-run each, after a warm-up burst. Output throughput is generated tokens over the burst's wall
-time; the ratio is the LoRA server's over the base's.
+Two servers on the default model, both up at once (each idles while the other serves): the
+base model alone (no `--enable-lora`), and `--enable-lora --max-loras 4` with 4 random rank-16
+adapters in the model's shape (PEFT, every projection: q/k/v/o and gate/up/down, lora_B
+nonzero). The same load against each: 64 streamed requests at once (distinct prompts,
+`--new-tokens` greedy tokens each, EOS ignored), spread round-robin over the 4 adapters on the
+second server. After a warm-up burst on each, `--runs` rounds, each a burst on the base server
+and then the same burst on the LoRA one, so that each round's ratio is measured side by side
+on a shared machine. Output throughput is generated tokens over the burst's wall time; the
+figures are medians over the rounds, the ratio the median of the rounds' ratios.
 
 Writes results.json and results.md, and appends one row to history.jsonl (date, commit, CPU
 flags, figures).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -109,6 +112,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--adapters", type=int, default=4)
     ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--runs", type=int, default=5, help="rounds of a burst on each server")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
     model = a.model or str(ensure_default_model())
@@ -119,25 +123,37 @@ def main() -> None:
               "--max-total-tokens", "2048"]
     lora = ["--enable-lora", "--max-loras", str(a.adapters), "--max-lora-rank", str(a.rank),
             "--lora-modules", *[f"{n}={d}" for n, d in zip(names, dirs)]]
-    runs = {}
-    for label, extra, use in (("base", [], []), ("lora", lora, names)):
-        with LaunchedServer(a.port, [*common, *extra], os.path.join(work, f"{label}.log")) as s:
-            asyncio.run(burst(s.base_url, 8, 4, use, "warm"))
-            runs[label] = asyncio.run(burst(s.base_url, a.concurrency, a.new_tokens, use, label))
-    ratio = round(runs["lora"]["output_tok_s"] / runs["base"]["output_tok_s"], 3)
+    rounds: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        servers = {label: stack.enter_context(LaunchedServer(port, [*common, *extra], os.path.join(work, f"{label}.log")))
+                   for label, port, extra in (("base", a.port, []), ("lora", a.port + 1, lora))}  # fmt: skip
+        use = {"base": [], "lora": names}
+        for label, s in servers.items():
+            asyncio.run(burst(s.base_url, 8, 4, use[label], "warm"))
+        for i in range(a.runs):
+            rounds.append({label: asyncio.run(burst(s.base_url, a.concurrency, a.new_tokens, use[label], f"{label}{i}"))
+                           for label, s in servers.items()})  # fmt: skip
+            print(f"round {i + 1}: base {rounds[-1]['base']['output_tok_s']:.1f}, "
+                  f"lora {rounds[-1]['lora']['output_tok_s']:.1f} tok/s", flush=True)
+    runs = {label: {key: statistics.median(r[label][key] for r in rounds) for key in rounds[0][label]}
+            for label in ("base", "lora")}  # fmt: skip
+    ratio = round(statistics.median(r["lora"]["output_tok_s"] / r["base"]["output_tok_s"] for r in rounds), 3)
     now = datetime.now(timezone.utc).isoformat(timespec="seconds")
     result = {"date": now, "commit": git_commit(), "cpu_flags": cpu_flags(), "cpus": os.cpu_count(),
               "model": os.path.basename(model.rstrip("/")), "concurrency": a.concurrency, "new_tokens": a.new_tokens,
-              "adapters": a.adapters, "rank": a.rank, "targets": TARGETS, "runs": runs, "lora_over_base": ratio}
+              "adapters": a.adapters, "rank": a.rank, "targets": TARGETS, "runs": runs, "lora_over_base": ratio,
+              "rounds": [{label: r[label]["output_tok_s"] for label in r} for r in rounds]}
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(result, f, indent=2)
     md = [f"# LoRA: {a.adapters} rank-{a.rank} adapters against the base model, c={a.concurrency}", "",
           f"{now}, commit `{result['commit']}`, {os.cpu_count()} CPUs, flags: {', '.join(result['cpu_flags'])}; "
-          f"model {result['model']}; {a.concurrency} streamed requests x {a.new_tokens} greedy tokens, one run each.", "",
+          f"model {result['model']}; {a.concurrency} streamed requests x {a.new_tokens} greedy tokens; medians of "
+          f"{a.runs} rounds (a burst on each server).", "",
           "| server | output tok/s | TTFT p50 s | wall s |", "| --- | --- | --- | --- |"]
     for label, r in runs.items():
         md.append(f"| {label} | {r['output_tok_s']:.1f} | {r['ttft_p50_s']:.3f} | {r['wall_s']:.2f} |")
-    md += ["", f"LoRA / base: **{ratio:.2f}x**", ""]
+    per_round = ", ".join(f"{r['lora']['output_tok_s'] / r['base']['output_tok_s']:.2f}" for r in rounds)
+    md += ["", f"LoRA / base: **{ratio:.2f}x** (median of the rounds' ratios: {per_round})", ""]
     with open(os.path.join(a.out, "results.md"), "w") as f:
         f.write("\n".join(md))
     append_history(a.out, {"date": now, "commit": result["commit"], "cpu_flags": result["cpu_flags"],

@@ -190,6 +190,44 @@ def test_rows_are_grouped_per_adapter_once_per_step():
     assert [(g.rows.tolist(), g.span) for g in batch.groups] == [([2, 3, 4, 5, 6], (2, 7))]
 
 
+def test_each_row_gets_its_own_adapters_product():
+    """Both ways of computing a step's products (apply.py: padded, and segmented where padding
+    would waste too many rows) add exactly each row's own adapter's (x A^T) B^T, nothing to base
+    rows, and nothing from an adapter that leaves the linear alone; ranks differ (the padded
+    weights pad them); a change of the step's adapters is seen at once."""
+    from pagemill.lora.apply import LoadedAdapter, LoraContext, LoraLayer, ModuleWeights, build_batch
+
+    g = torch.Generator().manual_seed(0)
+    weights = {r: ModuleWeights(torch.randn(r, 12, generator=g), torch.randn(10, r, generator=g)) for r in (4, 6)}
+    a = LoadedAdapter(1, "a", "", 4, {"lin": weights[4]}, 0)
+    b = LoadedAdapter(2, "b", "", 6, {"lin": weights[6]}, 0)
+    c = LoadedAdapter(3, "c", "", 8, {}, 0)  # adapts other linears only
+    ctx = LoraContext()
+    layer = LoraLayer("lin", 12, 10, 1, ctx)
+    cases = [  # (each row's adapter, whether the padded products take the step)
+        ([a, None, b, c, a, b, None], True),  # a and b: 2 rows each, no padding
+        ([b, b, None, None, c, c, a], True),  # a 1 row, b 2: one padding row
+        ([c, None, c, None, None, None, c], True),  # nothing adapts this linear
+        ([a] * 200 + [b] * 3 + [None] * 5, False),  # 200 and 3 rows: 197 padding rows, too many
+        ([a] * 100 + [b] * 90 + [None, c] * 10, True),  # 10 padding rows
+    ]
+    for users, padded in cases:
+        rows = len(users)
+        x = torch.randn(rows, 12, generator=g)
+        ctx.batch = build_batch(users, [1] * rows, "cpu")
+        members = tuple(j for j, grp in enumerate(ctx.batch.groups) if "lin" in grp.adapter.modules)
+        if members:
+            assert (ctx.batch.padded_rows(members) is not None) == padded
+        out = layer(x, torch.zeros(rows, 10))
+        want = torch.zeros(rows, 10)
+        for i, u in enumerate(users):
+            if u is not None and "lin" in u.modules:
+                w = u.modules["lin"]
+                want[i] = (x[i] @ w.a.T) @ w.b.T
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+    ctx.batch = None
+
+
 def test_rslora_scaling_is_peft_s(adapters):
     assert scaling(32, 16, True) == 8.0 and scaling(32, 16, False) == 2.0
     for name, (rank, alpha, rslora, _) in ADAPTERS.items():

@@ -75,7 +75,7 @@ def _tp_generate(group, model_dir: str, adapters: list[str]) -> dict:
     pool_module.read_adapter = read_on_this_rank
 
     cfg = ShardConfig(model_dir=model_dir, uds_path="unused", rank=group.rank, world_size=group.world_size,
-                      block_size=BLOCK, kv_cache_memory=1 << 20, dtype="float32")  # fmt: skip
+                      block_size=BLOCK, kv_cache_memory=2 << 20, dtype="float32")  # fmt: skip
     runner = ModelRunner.from_shard_config(cfg, group)
     runner.warmup(pb.WarmupRequest(max_batch_prefill_tokens=64, max_input_tokens=32, max_total_tokens=64,
                                    max_batch_size=8, max_loras=len(adapters) + 1, max_lora_rank=16))  # fmt: skip

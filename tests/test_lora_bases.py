@@ -17,7 +17,7 @@ from test_lora import (ALL, BLOCK, adapter_pb, adapters, make_adapter, make_runn
 def test_int8_linears_take_adapters(model_dir, adapters):
     """--quantize int8: the base product is the int8 linear's, the adapters' products are added
     to it exactly (a forward hook); a request's output does not depend on its batch."""
-    from pagemill.lora.apply import LoraBatch, LoraGroup
+    from pagemill.lora.apply import build_batch
     from pagemill.models.quantized_linear import QuantizedLinear
 
     runner = make_runner(model_dir, max_loras=2, cpu_kernels=True, quantize="int8")
@@ -29,7 +29,7 @@ def test_int8_linears_take_adapters(model_dir, adapters):
         x = torch.randn(5, lin.in_features, generator=torch.Generator().manual_seed(0))
         base = lin(x)
         ctx = runner.model.lora_context
-        ctx.batch = LoraBatch([LoraGroup(loaded, torch.tensor([1, 3]), None)])
+        ctx.batch = build_batch([None, loaded, None, loaded, None], [1] * 5, "cpu")
         try:
             adapted = lin(x)
         finally:

@@ -112,7 +112,9 @@ def fit_adapter(model: nn.Module, peft: PeftAdapter, adapter_id: int, name: str,
 
 
 def reserved_bytes(model: nn.Module, max_loras: int, max_rank: int, dtype: torch.dtype) -> int:
-    """Memory max_loras adapters of rank max_rank on every adaptable linear take at most (fit_adapter's layout)."""
+    """Memory max_loras adapters of rank max_rank on every adaptable linear take at most:
+    fit_adapter's layout, and once more for the padded products' stacked copy of the adapters
+    a step uses (apply.LoraLayer._padded)."""
     layers = lora_layers(model).values()
     per = sum(layer.parts * max_rank * (layer.in_features + layer.out_features) for layer in layers)
-    return max_loras * per * torch.empty(0, dtype=dtype).element_size()
+    return 2 * max_loras * per * torch.empty(0, dtype=dtype).element_size()
