@@ -34,24 +34,17 @@ from torch import nn
 
 from pagemill.attention.metadata import AttentionMetadata
 from pagemill.cpu_kernels.decode import DecodeKernels
-from pagemill.models.fused_decode import LayerDims, pool_pointers, step_tables
+from pagemill.models.fused_decode import LayerTables, pool_pointers, step_tables
 from pagemill.models.layers import MLP, RMSNorm
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
 
-class BatchedDecoder:
+class BatchedDecoder(LayerTables):
     def __init__(self, layers: nn.ModuleList, kernels: DecodeKernels, eps: float) -> None:
         self._kernels = kernels
         self._eps = eps
-        attn, mlp = layers[0].self_attn, layers[0].mlp
-        self._scale = attn.scale
-        self._dims = LayerDims([layers[0].input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
-                                attn.head_dim, mlp.intermediate_size])  # fmt: skip
-        self._held: list[torch.Tensor] = []  # what the tables point at, kept alive
-        self._tables = [self._pointer_table(layer) for layer in layers]
-        self._table_addrs = torch.tensor([t.data_ptr() for t in self._tables], dtype=torch.int64)
-        self._windows = torch.tensor([layer.self_attn.sliding_window or 0 for layer in layers], dtype=torch.int64)
+        self._index_layers(layers)  # the tables keep what they point at alive in _held
         self._attn = layers[0].self_attn  # whose backend must be the compiled kernels' (see applies)
 
     @classmethod

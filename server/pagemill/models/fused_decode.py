@@ -117,7 +117,25 @@ def step_tables(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, to
             meta.slot_mapping.to(torch.int64).contiguous())  # fmt: skip
 
 
-class FusedDecoder:
+class LayerTables:
+    """What a whole-model call reads of every layer, set up once at pack time: the attention
+    scale, the layer dims, each layer's pointer table (the subclass's _pointer_table, which may
+    keep what it points at in _held) and their addresses, and the sliding windows."""
+
+    def _index_layers(self, layers: nn.ModuleList) -> None:
+        first = layers[0]
+        attn, mlp = first.self_attn, first.mlp
+        self._scale = attn.scale
+        self._dims = LayerDims([first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
+                                attn.head_dim, mlp.intermediate_size])  # fmt: skip
+        self._held: list[torch.Tensor] = []
+        self._tables = [self._pointer_table(layer) for layer in layers]
+        self._table_addrs = torch.tensor([t.data_ptr() for t in self._tables], dtype=torch.int64)
+        # Each layer's sliding window (0: global), as the kernels take it.
+        self._windows = torch.tensor([layer.self_attn.sliding_window or 0 for layer in layers], dtype=torch.int64)
+
+
+class FusedDecoder(LayerTables):
     def __init__(self, layers: nn.ModuleList, kernels: DecodeKernels, eps: float, dtype: torch.dtype,
                  int8: bool = False) -> None:  # fmt: skip
         """dtype: the norms' and the pool's; int8: the linears are QuantizedLinears."""
@@ -138,16 +156,7 @@ class FusedDecoder:
         self.max_batch = min(bound, kernels.layer_int8_max_rows if int8 else kernels.layer_max_rows)
         # bf16 only: how the linears multiply (cpu_kernels.BF16_MUL; benchmarks switch it).
         self.mul = "auto"
-        first = layers[0]
-        attn, mlp = first.self_attn, first.mlp
-        self._scale = attn.scale
-        self._dims = LayerDims([first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
-                                attn.head_dim, mlp.intermediate_size])  # fmt: skip
-        self._held: list[torch.Tensor] = []
-        self._tables = [self._pointer_table(layer) for layer in layers]
-        self._table_addrs = torch.tensor([t.data_ptr() for t in self._tables], dtype=torch.int64)
-        # Each layer's sliding window (0: global), as the kernel takes it.
-        self._windows = torch.tensor([layer.self_attn.sliding_window or 0 for layer in layers], dtype=torch.int64)
+        self._index_layers(layers)
 
     @classmethod
     def build(cls, model: nn.Module, kernels: DecodeKernels | None) -> "FusedDecoder | None":
@@ -256,7 +265,7 @@ FUSED_MAX_BATCH_GGUF = 32
 _GEMMA_NORMS, _GELU, _LOCAL_ROPE = 1, 2, 4
 
 
-class GGUFFusedDecoder:
+class GGUFFusedDecoder(LayerTables):
     """Every decoder layer of a model whose linears are GGUF blocks on the compiled QuantKernel,
     in one call per decode step (cpu_kernels/csrc/decode/decode_gguf.cpp): the Llama layer
     (with or without q/k norms, SiLU) and Gemma's (four norms scaling by 1 + w, q/k norms, GELU,
@@ -275,16 +284,8 @@ class GGUFFusedDecoder:
         self.flags = flags
         self.int8 = False
         self.max_batch = min(FUSED_MAX_BATCH_GGUF, kernels.layer_gguf_max_rows)
-        first = layers[0]
-        attn, mlp = first.self_attn, first.mlp
-        self._eps = first.input_layernorm.eps
-        self._scale = attn.scale
-        self._dims = LayerDims([first.input_layernorm.weight.shape[0], attn.num_heads, attn.num_kv_heads,
-                                attn.head_dim, mlp.intermediate_size])  # fmt: skip
-        self._held: list[torch.Tensor] = []
-        self._tables = [self._pointer_table(layer) for layer in layers]
-        self._table_addrs = torch.tensor([t.data_ptr() for t in self._tables], dtype=torch.int64)
-        self._windows = torch.tensor([layer.self_attn.sliding_window or 0 for layer in layers], dtype=torch.int64)
+        self._eps = layers[0].input_layernorm.eps
+        self._index_layers(layers)
 
     @staticmethod
     def _parts(m: nn.Module | None) -> list | None:

@@ -146,6 +146,17 @@ void rms_norm(const float* x, const T* w, bool gemma, float eps, int64_t H, floa
     for (int64_t h = 0; h < H; ++h) out[h] = to_float(w[h]) * (x[h] * r);
 }
 
+// r [H] += o, o normed first (into scratch) where the layer has that norm: Gemma's norms after
+// attention and after the MLP; a null w adds o as it is.
+template <typename T>
+void add_residual(float* r, const float* o, const T* w, bool gemma, float eps, int64_t H, float* scratch) {
+  if (w) {
+    rms_norm(o, w, gemma, eps, H, scratch);
+    o = scratch;
+  }
+  for (int64_t h = 0; h < H; ++h) r[h] += o[h];
+}
+
 // x [D] in place: x * cos + rotate_half(x) * sin (HF's layout).
 inline void rotary(float* x, int64_t D, const float* cos, const float* sin) {
   const int64_t half = D / 2;
@@ -349,14 +360,8 @@ int gguf_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, fl
     columns(o_l, acts, attn, B, nq, c0, c1, tmp, H, false);
 #pragma omp barrier
     for (int64_t b = 0; b < B; ++b) {
-      float* r = xr + b * H;
-      const float* o = tmp + b * H;
-      if (norm[kPostAttnNorm]) {
-        rms_norm(o, norm[kPostAttnNorm], gemma, eps, H, xn + b * H);
-        o = xn + b * H;
-      }
-      for (int64_t h = 0; h < H; ++h) r[h] += o[h];
-      rms_norm(r, norm[kPreFfnNorm], gemma, eps, H, xn + b * H);
+      add_residual(xr + b * H, tmp + b * H, norm[kPostAttnNorm], gemma, eps, H, xn + b * H);
+      rms_norm(xr + b * H, norm[kPreFfnNorm], gemma, eps, H, xn + b * H);
     }
     // gate|up: this thread's columns [c0, c1) of both halves, then their activation.
     acts.reset();
@@ -375,15 +380,8 @@ int gguf_layer(float* x, int64_t B, const int64_t* ptrs, const int64_t* dims, fl
     share(H, t, nt, c0, c1);
     columns(down_l, acts, act, B, I, c0, c1, tmp, H, false);
 #pragma omp barrier
-    for (int64_t b = 0; b < B; ++b) {
-      float* r = xr + b * H;
-      const float* o = tmp + b * H;
-      if (norm[kPostFfnNorm]) {
-        rms_norm(o, norm[kPostFfnNorm], gemma, eps, H, xn + b * H);
-        o = xn + b * H;
-      }
-      for (int64_t h = 0; h < H; ++h) r[h] += o[h];
-    }
+    for (int64_t b = 0; b < B; ++b)
+      add_residual(xr + b * H, tmp + b * H, norm[kPostFfnNorm], gemma, eps, H, xn + b * H);
     if (t == 0) memcpy(x, xr, sizeof(float) * B * H);
   }
   return 0;
