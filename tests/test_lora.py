@@ -210,7 +210,12 @@ def test_each_row_gets_its_own_adapters_product():
         ([c, None, c, None, None, None, c], True),  # nothing adapts this linear
         ([a] * 200 + [b] * 3 + [None] * 5, False),  # 200 and 3 rows: 197 padding rows, too many
         ([a] * 100 + [b] * 90 + [None, c] * 10, True),  # 10 padding rows
+        ([b, None, a, b], True),  # the same adapters as a step before, other rows
     ]
+    # a evicted and loaded again (the same id, a new resident copy): its weights are stacked anew.
+    a_again = LoadedAdapter(1, "a", "", 4, {"lin": ModuleWeights(torch.randn(4, 12, generator=g),
+                                                                  torch.randn(10, 4, generator=g))}, 0)  # fmt: skip
+    cases.append(([b, None, a_again, b], True))
     for users, padded in cases:
         rows = len(users)
         x = torch.randn(rows, 12, generator=g)

@@ -137,10 +137,11 @@ class LoraLayer:
     parts: int  # HF projections fused into this linear (q/k/v: 3, gate/up: 2, else 1)
     ctx: LoraContext
     invariant: Invariant | None = None  # --batch-invariant: both products as the base linears run theirs
-    # The padded products' weights for the last step's adapters (their ids the key): the groups
+    # The padded products' weights for the last step's adapters (the resident adapters
+    # themselves the key, so that one evicted and loaded again is stacked again): the groups
     # that adapt this linear, A^T [n, in, R] and B^T [n, R, out] stacked (ranks padded with
     # zeros to the largest); rebuilt only when the set of adapters in a step changes.
-    _stack_key: tuple[int, ...] | None = field(default=None, repr=False)
+    _stack_key: tuple[LoadedAdapter, ...] | None = field(default=None, repr=False)
     _stack: tuple[tuple[int, ...], torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
@@ -169,8 +170,9 @@ class LoraLayer:
 
     def _padded(self, batch: LoraBatch, x: torch.Tensor, out: torch.Tensor) -> bool:
         """The padded products added to out; False where the step's rows do not suit them."""
-        key = tuple(g.adapter.id for g in batch.groups)
-        if key != self._stack_key:
+        key = tuple(g.adapter for g in batch.groups)
+        if self._stack_key is None or len(key) != len(self._stack_key) \
+                or any(a is not b for a, b in zip(key, self._stack_key)):  # fmt: skip
             parts = [(j, g.adapter.modules[self.name]) for j, g in enumerate(batch.groups)
                      if self.name in g.adapter.modules]  # fmt: skip
             self._stack = None
