@@ -41,5 +41,11 @@ pub(super) fn preempt(st: &mut State, s: Sequence) -> Sequence {
     s.num_computed = 0;
     s.sent_blocks = 0;
     s.prefilled = false;
+    if s.generated > 0 {
+        // A fork that has sampled recomputes its own tokens: it resumes alone
+        // (chunkable, sharing the prompt through the prefix cache), not as
+        // part of an unsplittable group whose recompute may exceed any step.
+        s.group = None;
+    }
     s
 }

@@ -7,7 +7,7 @@
 use std::collections::VecDeque;
 use std::time::Instant;
 
-use super::admission::{admit, admit_chunked, Admission, Budget, Candidate, Running};
+use super::admission::{admit, admit_chunked, fits_resources, Admission, Budget, Candidate, Running};
 use super::in_flight::{common_blocks, hold_back_waiting, reach, waits};
 use super::logprob_gather::{cacheable_blocks, fill_from_cache};
 use super::lora_cap::hold_back_lora;
@@ -25,9 +25,12 @@ use crate::proto::pb;
 pub(super) fn schedule_prompts(st: &mut State, plan: &mut StepPlan, step_tokens: Option<u32>, now: Instant) {
     let mut left = step_tokens;
     let mut any_prompt = false;
+    // Without chunking only a resumed sequence's recompute can be longer
+    // than a step: it goes on in steps of `max_batch_prefill_tokens`.
+    let whole_cap = st.config.budget.max_batch_prefill_tokens;
     for s in st.running.iter_mut().filter(|s| !s.prefilled) {
         let pending = s.pending();
-        let n = left.map_or(pending, |l| l.min(pending));
+        let n = left.map_or(pending.min(whole_cap), |l| l.min(pending));
         if n == 0 {
             return;
         }
@@ -125,10 +128,25 @@ fn admissions(
     let budget = growth_budget(st);
     let Admission { whole, partial } = match left {
         Some(l) => admit_chunked(&budget, running, &candidates, l, alone_ok),
-        None => Admission { whole: admit(&budget, running, &candidates), partial: None },
+        None => admit_whole(&budget, running, &candidates, alone_ok),
     };
     let take = if whole == 0 { 0 } else { units[whole - 1].end } + partial.is_some() as usize;
     (take, partial)
+}
+
+/// Admission of whole prompts (no chunked prefill). A resumed sequence
+/// whose recompute (prompt plus the tokens it had generated) is longer than
+/// any step starts alone in a step of `max_batch_prefill_tokens` and goes on
+/// in the next ones, rather than never fitting.
+fn admit_whole(budget: &Budget, running: Running, candidates: &[Candidate], alone_ok: bool) -> Admission {
+    let whole = admit(budget, running, candidates);
+    let oversized = |c: &Candidate| c.chunkable && c.prefill_tokens > budget.max_batch_prefill_tokens;
+    match candidates.first() {
+        Some(c) if whole == 0 && alone_ok && oversized(c) && fits_resources(budget, running, c) => {
+            Admission { whole: 0, partial: Some(budget.max_batch_prefill_tokens) }
+        }
+        _ => Admission { whole, partial: None },
+    }
 }
 
 /// The block table an admitted prompt starts with: its cached prefix, or

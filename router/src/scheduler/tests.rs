@@ -255,6 +255,40 @@ fn preemption_recomputes_and_loses_nothing() {
 }
 
 #[test]
+fn a_recompute_longer_than_any_step_resumes_in_steps_without_chunking() {
+    // No chunked prefill, 16-token steps, 19 usable blocks of 4 tokens for
+    // five sequences growing to 30 tokens (two of them forks of request 10):
+    // some are preempted past 16 tokens, and their recompute is longer than a step.
+    let mut cfg = config(None, None, 0);
+    cfg.budget.max_batch_prefill_tokens = 16;
+    let (mut st, mut shard) = setup(cfg, 20);
+    for id in 0..3 {
+        st.enqueue(entry(id, request(prompt(id, 6), 24), None));
+    }
+    for f in 0..2 {
+        st.enqueue(entry(10 + f, request(prompt(10, 6), 24), Some(1000)));
+    }
+    let mut out = Outcome::default();
+    let mut preempted = 0;
+    while !st.is_idle() {
+        let plan = schedule(&mut st, Instant::now());
+        preempted += plan.preempted;
+        assert!(plan.rejected.is_empty(), "refused: {:?}", plan.rejected);
+        let resp = shard.step(&plan.request);
+        let (events, _) = update(&mut st, &plan, &resp);
+        collect(&mut out, events);
+        out.steps += 1;
+        assert!(out.steps < 2000);
+    }
+    assert!(preempted > 0, "the pool was large enough: the test does not preempt");
+    for id in [0, 1, 2, 10, 11] {
+        assert_eq!(out.tokens[&id], expected(&prompt(id.min(10), 6), 24), "request {id}");
+    }
+    assert_no_leak(&st);
+    assert_eq!(shard.held(), 0);
+}
+
+#[test]
 fn speculative_rollback_keeps_the_tokens_exact() {
     for accept in [0, 1, 3] {
         let (mut st, mut shard) = setup(config(Some(64), None, 3), 100);

@@ -19,15 +19,13 @@ use crate::kv::{lifetime_blocks, too_large};
 
 /// Why a queued unit can never be admitted, even alone into an empty batch
 /// with the whole pool free; None when it can (now or once others finish).
-/// `lifetime`: its `lifetime_blocks`. `chunked`: prompts may be split
-/// across steps (chunked prefill or mixed steps).
+/// `lifetime`: its `lifetime_blocks`.
 pub fn never_admissible(
     budget: &Budget,
     capacity: u32,
     block_size: u32,
     c: &Candidate,
     lifetime: u64,
-    chunked: bool,
 ) -> Option<RouterError> {
     if lifetime > capacity as u64 {
         return Some(too_large(lifetime, capacity, block_size));
@@ -45,8 +43,9 @@ pub fn never_admissible(
         )));
     }
     // A prompt that must go in one step and exceeds every step's budget.
-    let one_step = !chunked || !c.chunkable;
-    if one_step && c.prefill_tokens > budget.max_batch_prefill_tokens {
+    // Without chunking, a chunkable one longer than a step can only be a
+    // resumed sequence's recompute, which admission splits (prompts.rs).
+    if !c.chunkable && c.prefill_tokens > budget.max_batch_prefill_tokens {
         return Some(RouterError::Validation(format!(
             "{} prompt tokens must be computed in one step, more than `--max-batch-prefill-tokens` ({})",
             c.prefill_tokens, budget.max_batch_prefill_tokens
@@ -62,7 +61,6 @@ pub fn reject_never_admissible(st: &mut State, plan: &mut StepPlan) {
     if st.queue.is_empty() {
         return;
     }
-    let chunked = st.config.max_num_batched_tokens.is_some() || st.config.budget.prefill_chunk_tokens.is_some();
     let bs = st.kv.block_size();
     let mut doomed = Vec::new();
     for u in units(&st.queue) {
@@ -70,7 +68,7 @@ pub fn reject_never_admissible(st: &mut State, plan: &mut StepPlan) {
         let r = &st.queue[u.start].request;
         let n = u.len() as u32;
         let lifetime = lifetime_blocks(r.input_ids.len() as u32, r.max_new_tokens, st.config.speculate, n, bs);
-        if let Some(err) = never_admissible(&st.config.budget, st.kv.capacity(), bs, &c, lifetime, chunked) {
+        if let Some(err) = never_admissible(&st.config.budget, st.kv.capacity(), bs, &c, lifetime) {
             doomed.extend(u.clone().map(|k| (k, err.clone())));
         }
     }
