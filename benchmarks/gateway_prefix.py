@@ -180,7 +180,7 @@ class Bench:
         port, prom = self.next_port(), self.next_port()
         common = ["--worker-urls", *urls, "--policy", how, "--port", str(port), "--prometheus-port", str(prom)]
         if router == "vllm":
-            argv = ["vllm-router", *common, "--log-level", "warning"]
+            argv = ["vllm-router", *common, "--log-level", self.a.router_log_level]
             for u, p in zip(urls, pubs):
                 argv += ["--kv-event-source", f"{u}=tcp://127.0.0.1:{p}"]
             if pubs:
@@ -241,6 +241,8 @@ def main() -> None:
                     help="the servers' prefill step (warmup runs one this large)")
     ap.add_argument("--logs", default=None, help="folder for the servers' and routers' logs (default: a temporary one)")
     ap.add_argument("--in-flight", type=int, default=4)
+    ap.add_argument("--router-log-level", default="warning",
+                    help="vllm-router's --log-level (debug logs each kv_aware decision: the prefix it credited)")
     ap.add_argument("--max-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--policies", default=",".join(POLICIES))

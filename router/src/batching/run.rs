@@ -202,6 +202,10 @@ impl BatchingLoop {
             RouterState::add(&self.stats.prefill_tokens_total, plan.prompt_tokens);
             RouterState::add(&self.stats.prefix_hit_tokens_total, plan.prefix_hit_tokens);
             let step = self.send(&mut plan.request, 0);
+            // The blocks this plan admitted are told now, not after the step's
+            // reply: a router placing the next request for the same prefix
+            // sees them while a long prefill computes them.
+            self.send_events(self.state.kv.take_events());
             return Some(InFlight { plan, step, sent: Instant::now() });
         }
     }
