@@ -10,8 +10,9 @@
 //   into int32, and a scale multiplies the int32 partial (vpmulld). The kernels flush at the
 //   same points, so both builds run the same code and give the same integers.
 //
-// Q8_0's weights are signed: like ggml, the weight's magnitude is the unsigned operand and the
-// activation takes the weight's sign (vpsignb), which is exact.
+// Q8_0's weights are signed: on AVX2, like ggml, the weight's magnitude is the unsigned operand
+// and the activation takes the weight's sign (vpsignb), which is exact; with VNNI the
+// activations are offset to unsigned instead (tile_legacy.h), the same integers.
 //
 // PAGEMILL_QUANT_SIMD is set where AVX2, FMA and F16C are all compiled in and the portable
 // path is not forced (-DPAGEMILL_QUANT_PORTABLE, for tests); else tile_scalar.h runs.

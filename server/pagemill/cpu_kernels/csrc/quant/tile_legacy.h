@@ -45,6 +45,37 @@ inline void legacy_products(const GroupPtrs& g, const int8_t* const* x, Sum (&s)
   constexpr X8 o = x8_offsets(kType);
   constexpr int G = kTileGroups;
   if constexpr (kType == kQ8_0) {
+#if defined(PAGEMILL_QUANT_VNNI)
+    // vpdpbusd adds into int32, so no sign trick is needed: the activations go offset to
+    // unsigned (x + 128, a flip of the top bit) against the signed weights, one instruction per
+    // product, and 128 x each column's weight sum (once per block, for all rows) comes off at
+    // the end. The same integers as the sign path below, with half its instructions.
+    const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi8(1);
+    __m256i wsum[G];
+    for (int j = 0; j < G; ++j) wsum[j] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int i = 0; i < 8; ++i) {
+      __m256i w[G];
+      for (int j = 0; j < G; ++j) {
+        w[j] = load(g[j] + o.runs + 32 * i);
+        wsum[j] = dpbusd(wsum[j], ones, w[j]);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m256i xu = _mm256_xor_si256(bcast4(x[r] + 4 * i), flip);
+        for (int j = 0; j < G; ++j) s[j][r].part = dpbusd(s[j][r].part, xu, w[j]);
+      }
+    }
+    for (int j = 0; j < G; ++j) {
+      const __m256i off = _mm256_slli_epi32(wsum[j], 7);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        s[j][r].part = _mm256_sub_epi32(s[j][r].part, off);
+        s[j][r].flush();
+      }
+    }
+    return;
+#else
 #pragma GCC unroll 8
     for (int i = 0; i < 8; ++i) {
       __m256i w[G], w_abs[G];
@@ -62,6 +93,7 @@ inline void legacy_products(const GroupPtrs& g, const int8_t* const* x, Sum (&s)
       }
     }
     return;
+#endif
   }
   constexpr bool five = o.bits >= 0;
   __m256i h[G];
