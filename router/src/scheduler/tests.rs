@@ -90,6 +90,8 @@ pub(super) struct Outcome {
     /// Prompt logprobs (and alternatives) each sequence's stream got.
     pub prefill: HashMap<u64, (Vec<f32>, Vec<pb::Tokens>)>,
     pub steps: usize,
+    /// Sequences preempted over the run.
+    pub preempted: u32,
     /// Per step: prompt tokens, and decode tokens with their proposal room.
     pub step_tokens: Vec<(u32, u32)>,
     /// Blocks given back behind a sliding window, and the most blocks held at once.
@@ -105,6 +107,7 @@ pub(super) fn drive(st: &mut State, shard: &mut FakeShard) -> Outcome {
         out.steps += 1;
         assert!(out.steps < 10_000, "the scheduler made no progress");
         let mut plan = schedule(st, Instant::now());
+        out.preempted += plan.preempted;
         let rejected = std::mem::take(&mut plan.rejected);
         let refused = !rejected.is_empty();
         collect(&mut out, rejected.into_iter().map(|(id, e)| (id, Err(e))).collect());
@@ -235,18 +238,8 @@ fn preemption_recomputes_and_loses_nothing() {
     for id in 0..4 {
         st.enqueue(entry(id, request(prompt(id, 6), 24), None));
     }
-    let mut out = Outcome::default();
-    let mut preempted = 0;
-    while !st.is_idle() {
-        let plan = schedule(&mut st, Instant::now());
-        preempted += plan.preempted;
-        let resp = shard.step(&plan.request);
-        let (events, _) = update(&mut st, &plan, &resp);
-        collect(&mut out, events);
-        out.steps += 1;
-        assert!(out.steps < 2000);
-    }
-    assert!(preempted > 0, "the pool was large enough: the test does not preempt");
+    let out = drive(&mut st, &mut shard);
+    assert!(out.preempted > 0, "the pool was large enough: the test does not preempt");
     for id in 0..4 {
         assert_eq!(out.tokens[&id], expected(&prompt(id, 6), 24), "request {id}");
     }
@@ -268,19 +261,9 @@ fn a_recompute_longer_than_any_step_resumes_in_steps_without_chunking() {
     for f in 0..2 {
         st.enqueue(entry(10 + f, request(prompt(10, 6), 24), Some(1000)));
     }
-    let mut out = Outcome::default();
-    let mut preempted = 0;
-    while !st.is_idle() {
-        let plan = schedule(&mut st, Instant::now());
-        preempted += plan.preempted;
-        assert!(plan.rejected.is_empty(), "refused: {:?}", plan.rejected);
-        let resp = shard.step(&plan.request);
-        let (events, _) = update(&mut st, &plan, &resp);
-        collect(&mut out, events);
-        out.steps += 1;
-        assert!(out.steps < 2000);
-    }
-    assert!(preempted > 0, "the pool was large enough: the test does not preempt");
+    let out = drive(&mut st, &mut shard);
+    assert!(out.preempted > 0, "the pool was large enough: the test does not preempt");
+    assert!(out.errors.is_empty(), "refused: {:?}", out.errors);
     for id in [0, 1, 2, 10, 11] {
         assert_eq!(out.tokens[&id], expected(&prompt(id.min(10), 6), 24), "request {id}");
     }
